@@ -1,0 +1,34 @@
+"""memsave_grads: a drop-in ``tf.gradients`` that recomputes activations to save memory.
+
+Importing this package changes nothing in TensorFlow; call :func:`patch` to route
+``tf.gradients`` (and what uses it) through :func:`gradients`.
+"""
+
+from memsave_grads.api import gradients
+from memsave_grads.api import gradients_collection
+from memsave_grads.api import gradients_memory
+from memsave_grads.api import gradients_speed
+from memsave_grads.errors import CheckpointNotOnPathError
+from memsave_grads.errors import EagerExecutionError
+from memsave_grads.errors import InvalidArgumentError
+from memsave_grads.errors import InvalidTypeError
+from memsave_grads.errors import MemsaveGradsError
+from memsave_grads.errors import NoCheckpointsFoundError
+from memsave_grads.errors import PatchStateError
+from memsave_grads.errors import SparseGradientError
+from memsave_grads.errors import UnknownStrategyError
+from memsave_grads.errors import UnsupportedGraphError
+from memsave_grads.patch import is_patched
+from memsave_grads.patch import original_gradients
+from memsave_grads.patch import patch
+from memsave_grads.patch import unpatch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "gradients", "gradients_speed", "gradients_memory", "gradients_collection",
+    "patch", "unpatch", "is_patched", "original_gradients",
+    "MemsaveGradsError", "InvalidArgumentError", "InvalidTypeError", "UnknownStrategyError",
+    "CheckpointNotOnPathError", "NoCheckpointsFoundError", "UnsupportedGraphError",
+    "SparseGradientError", "EagerExecutionError", "PatchStateError",
+]

@@ -1,0 +1,199 @@
+"""Backpropagate segment by segment and add up the partials.
+
+The forward region is cut at the *kept* ops (checkpoints, stateful ops, intermediate ``xs``).
+Each kept op owns a *segment*: itself plus the region ops above it that are not kept. The
+segments feeding ``ys`` directly form the *top* segment, which is not copied: its activations
+are the last ones computed and backprop starts with them, so recomputing them would only cost
+time.
+
+Order (design note "levels" in docs/design.md): a kept op's *level* is one more than the
+deepest level of any segment that reads it (the top segment has level 0). Every partial for a
+kept tensor comes from a lower level, so when its level comes its gradient is complete. Each
+level is one ``tf.gradients`` call over the union of its segments, with the kept tensors and
+``xs`` it reads as sources and as ``stop_gradients`` (the boundaries: backprop stops there and
+the partial w.r.t. them is read off).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Iterable, Sequence
+
+import tensorflow as tf
+from absl import logging
+
+from memsave_grads import _rewrite
+from memsave_grads import _tf_graph
+from memsave_grads import errors
+
+
+def _zeros_like(x: tf.Tensor) -> tf.Tensor:
+    """What ``tf.gradients(..., unconnected_gradients='zero')`` returns for ``x``."""
+    if x.dtype == tf.resource:
+        from tensorflow.python.ops import resource_variable_ops  # pylint: disable=import-outside-toplevel
+        from tensorflow.python.ops import default_gradient  # pylint: disable=import-outside-toplevel
+        return tf.zeros(resource_variable_ops.variable_shape(x),
+                        dtype=default_gradient.get_zeros_dtype(x))
+    return tf.zeros_like(x)
+
+
+def _densify(g, t: tf.Tensor) -> tf.Tensor:
+    if isinstance(g, tf.IndexedSlices):
+        if g.dense_shape is None:
+            raise errors.SparseGradientError(
+                f"The gradient of {t.name!r} adds a sparse partial (IndexedSlices) to a dense one, "
+                f"but the sparse partial has no dense_shape, so it cannot be densified. Give the "
+                f"tensor a known shape, or keep the gather/embedding output as a checkpoint so the "
+                f"sparse partial reaches the variable unmixed.")
+        return tf.convert_to_tensor(g)
+    return g
+
+
+def aggregate(partials: Sequence, t: tf.Tensor):
+    """Sum the partials of one tensor: dense stays dense, sparse stays sparse (concatenated),
+    and only a mix of both is densified (as tf.gradients does)."""
+    partials = [g for g in partials if g is not None]
+    if not partials:
+        return None
+    if len(partials) == 1:
+        return partials[0]
+    if all(isinstance(g, tf.IndexedSlices) for g in partials):
+        indices = [g.indices for g in partials]
+        if len({i.dtype for i in indices}) > 1:
+            indices = [tf.cast(i, tf.int64) for i in indices]
+        return tf.IndexedSlices(tf.concat([g.values for g in partials], axis=0),
+                                tf.concat(indices, axis=0), partials[0].dense_shape)
+    return tf.add_n([_densify(g, t) for g in partials])
+
+
+def _gradient_ops(g) -> list[tf.Operation]:
+    if isinstance(g, tf.IndexedSlices):
+        return [g.values.op, g.indices.op]
+    return [g.op]
+
+
+class _Backprop:
+    """State of one rewritten gradient computation (a single use, then discarded)."""
+
+    def __init__(self, region: Sequence[tf.Operation], kept: Iterable[tf.Operation],
+                 xs: Sequence[tf.Tensor]):
+        self.region_set = set(region)
+        self.kept = set(kept)
+        self.x_refs = {x.ref() for x in xs}
+        self.partials: dict = collections.defaultdict(list)
+        self.totals: dict = {}
+
+    def is_boundary(self, t: tf.Tensor) -> bool:
+        return (t.op in self.region_set and t.op in self.kept) or t.ref() in self.x_refs
+
+    def segment(self, seeds: Iterable[tf.Operation]) -> list[tf.Operation]:
+        """``seeds`` plus the region ops above them, up to (not into) kept ops and ``xs``."""
+        seen, stack = set(), list(seeds)
+        while stack:
+            op = stack.pop()
+            if op in seen:
+                continue
+            seen.add(op)
+            stack.extend(t.op for t in op.inputs
+                         if t.op in self.region_set and not self.is_boundary(t)
+                         and t.op not in seen)
+        return sorted(seen, key=lambda op: op._id)  # pylint: disable=protected-access
+
+    def sources(self, segment_ops: Iterable[tf.Operation]) -> list[tf.Tensor]:
+        seen, out = set(), []
+        for op in segment_ops:
+            for t in op.inputs:
+                if self.is_boundary(t) and t.ref() not in seen:
+                    seen.add(t.ref())
+                    out.append(t)
+        return out
+
+    def total(self, t: tf.Tensor):
+        """The complete gradient of ``t`` (call only once every partial has arrived)."""
+        key = t.ref()
+        if key not in self.totals:
+            self.totals[key] = aggregate(self.partials.get(key, ()), t)
+        return self.totals[key]
+
+    def run(self, targets, target_grads, sources, user_stops, tf_kwargs) -> None:
+        """One tf.gradients call; its results become partials of ``sources``."""
+        if not targets or not sources:
+            return
+        grads = _tf_graph.ORIGINAL_GRADIENTS(
+            targets, sources, grad_ys=target_grads,
+            stop_gradients=list(sources) + list(user_stops), **tf_kwargs)
+        for t, g in zip(sources, grads):
+            if g is not None:
+                self.partials[t.ref()].append(g)
+
+
+def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence,
+             region: Sequence[tf.Operation], kept: Iterable[tf.Operation],
+             user_stops: Sequence[tf.Tensor], tf_kwargs: dict, unconnected_zero: bool,
+             scope: str) -> list:
+    """Gradients of ``ys`` w.r.t. ``xs`` with every non-top segment recomputed."""
+    state = _Backprop(region, kept, xs)
+
+    # Level 0: the top segment, through the original ops.
+    top_targets, top_grads, top_seeds, extra_sources = [], [], [], []
+    for y, gy in zip(ys, grad_ys):
+        if state.is_boundary(y):
+            extra_sources.append(y)
+        elif y.op not in state.region_set:
+            continue  # y does not depend on xs
+        else:
+            top_seeds.append(y.op)
+        top_targets.append(y)
+        top_grads.append(gy)
+    top = state.segment(top_seeds)
+    sources = state.sources(top)
+    known = {t.ref() for t in sources}
+    sources += [t for t in extra_sources if t.ref() not in known and not known.add(t.ref())]
+    state.run(top_targets, top_grads, sources, user_stops, tf_kwargs)
+
+    # Levels: deepest segment reading a kept op, +1. Kept ops in reverse topological order.
+    level = {op: 1 for op in state.kept if op in state.region_set}
+    segments: dict[tf.Operation, list[tf.Operation]] = {}
+    for op in sorted(level, key=lambda o: o._id, reverse=True):  # pylint: disable=protected-access
+        replayable = _tf_graph.is_replayable(op)
+        segments[op] = state.segment([op]) if replayable else [op]
+        for t in state.sources(segments[op]):
+            if t.op in level and t.op is not op:
+                level[t.op] = max(level[t.op], level[op] + 1)
+
+    by_level = collections.defaultdict(list)
+    for op, lvl in level.items():
+        by_level[lvl].append(op)
+
+    for lvl in sorted(by_level):
+        group = sorted(by_level[lvl], key=lambda o: o._id)  # pylint: disable=protected-access
+        active = []
+        for op in group:
+            ds = [state.total(t) for t in op.outputs]
+            if any(d is not None for d in ds):
+                active.append((op, ds))
+        if not active:
+            continue
+        to_copy = sorted({s for op, _ in active if _tf_graph.is_replayable(op)
+                          for s in segments[op]}, key=lambda o: o._id)  # pylint: disable=protected-access
+        control = [c for _, ds in active for d in ds if d is not None for c in _gradient_ops(d)]
+        copies = _rewrite.copy_ops(to_copy, f"{scope}/recompute_level{lvl}", control)
+        targets, target_grads, seg_ops = [], [], []
+        for op, ds in active:
+            produced = copies.get(op, op)
+            for t, d in zip(produced.outputs, ds):
+                if d is not None:
+                    targets.append(t)
+                    target_grads.append(d)
+            seg_ops.extend(segments[op])
+        state.run(targets, target_grads, state.sources(seg_ops), user_stops, tf_kwargs)
+        logging.vlog(1, "memsave_grads: level %d: %d kept ops, %d ops recomputed",
+                     lvl, len(active), len(to_copy))
+
+    results = []
+    for x in xs:
+        g = state.total(x)
+        if g is None and unconnected_zero:
+            g = _zeros_like(x)
+        results.append(g)
+    return results

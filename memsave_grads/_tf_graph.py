@@ -1,0 +1,124 @@
+"""The one module that reads TensorFlow graph internals for analysis.
+
+It walks the forward graph, classifies operations (replayable or not), sizes tensors and turns
+the region between ``xs`` and ``ys`` into the TensorFlow-free :class:`ForwardGraph`. Anything
+private we depend on is named here (and in ``_rewrite.py``), nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import tensorflow as tf
+from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.ops import gradients_impl
+from tensorflow.python.ops import resource_variable_ops
+
+from memsave_grads import graph as graph_lib
+from memsave_grads import policies
+
+#: The real ``tf.gradients``, captured when this module is imported (a reference, not a patch):
+#: every gradient we build goes through it, so a patched ``tf.gradients`` never recurses.
+ORIGINAL_GRADIENTS = gradients_impl.gradients
+
+
+def is_resource_variable(value) -> bool:
+    return resource_variable_ops.is_resource_variable(value)
+
+
+def is_eager_tensor(value) -> bool:
+    """An eager tensor: a value, with no graph for us to rewrite."""
+    return isinstance(value, tf_ops.EagerTensor)
+
+
+def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
+                   stop_ops: Iterable[tf.Operation] = ()) -> list[tf.Operation]:
+    """Operations on some data path from an ``x`` to a ``y``, in topological (creation) order.
+
+    Ops whose gradient the caller stops (``stop_gradients``) are not crossed going forward: what
+    lies beyond them is constant with respect to ``xs``.
+    """
+    stop_ops = set(stop_ops)
+    downstream: set[tf.Operation] = set()
+    frontier = [c for x in xs for c in x.consumers()]
+    while frontier:
+        op = frontier.pop()
+        if op in downstream:
+            continue
+        downstream.add(op)
+        if op in stop_ops:
+            continue
+        for out in op.outputs:
+            frontier.extend(c for c in out.consumers() if c not in downstream)
+    upstream: set[tf.Operation] = set()
+    frontier = [y.op for y in ys]
+    while frontier:
+        op = frontier.pop()
+        if op in upstream or op not in downstream:
+            continue
+        upstream.add(op)
+        frontier.extend(t.op for t in op.inputs if t.op not in upstream)
+    region = [op for op in upstream if op not in stop_ops]
+    region.sort(key=lambda op: op._id)  # creation order is a topological order of data edges
+    return region
+
+
+def uses_v1_control_flow(op: tf.Operation) -> bool:
+    return (op.type in policies.V1_CONTROL_FLOW_OP_TYPES
+            or getattr(op, "_control_flow_context", None) is not None)
+
+
+def is_replayable(op: tf.Operation) -> bool:
+    """Whether running a copy of ``op`` again is guaranteed to give the same outputs.
+
+    Stateful ops (random draws, variable reads, iterators, stateful If/While) are not: their
+    outputs are kept instead (design note "never replay state" in docs/design.md).
+    """
+    if uses_v1_control_flow(op):
+        return False
+    try:
+        return not op.op_def.is_stateful
+    except (AttributeError, ValueError):
+        return False
+
+
+def tensor_bytes(t: tf.Tensor) -> int:
+    """Static byte size of ``t``; unknown dimensions count as 1, unknown rank as one element.
+
+    Counting every unknown (batch) dimension as 1 keeps sizes consistent *relative* to each
+    other, which is all the planners need.
+    """
+    try:
+        itemsize = t.dtype.size
+    except (AttributeError, TypeError):
+        itemsize = 0
+    if t.shape.rank is None:
+        return itemsize
+    elements = 1
+    for dim in t.shape.as_list():
+        elements *= dim if dim is not None else 1
+    return elements * itemsize
+
+
+def op_bytes(op: tf.Operation) -> int:
+    return sum(tensor_bytes(t) for t in op.outputs)
+
+
+def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
+                     ys: Sequence[tf.Tensor]) -> graph_lib.ForwardGraph:
+    """The TF-free model of ``region`` (node ``i`` is ``region[i]``)."""
+    index = {op: i for i, op in enumerate(region)}
+    x_refs = {x.ref() for x in xs}
+    y_ops = {y.op for y in ys}
+    inputs, reads_source = [], []
+    for op in region:
+        preds = sorted({index[t.op] for t in op.inputs if t.op in index})
+        inputs.append(tuple(preds))
+        reads_source.append(any(t.ref() in x_refs for t in op.inputs))
+    return graph_lib.ForwardGraph(
+        inputs=tuple(inputs),
+        size_bytes=tuple(op_bytes(op) for op in region),
+        reads_source=tuple(reads_source),
+        feeds_sink=tuple(op in y_ops for op in region),
+        names=tuple(op.name for op in region),
+    )

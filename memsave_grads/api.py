@@ -1,0 +1,152 @@
+"""``gradients()``: normalise arguments -> select checkpoints -> rewrite -> stitch."""
+
+from __future__ import annotations
+
+import functools
+
+import tensorflow as tf
+from absl import logging
+
+from memsave_grads import _select
+from memsave_grads import _stitch
+from memsave_grads import _tf_graph
+from memsave_grads import errors
+
+#: Keyword arguments of tf.gradients we pass through (``name`` included).
+TF_GRADIENTS_KWARGS = ("name", "gate_gradients", "aggregation_method", "stop_gradients",
+                       "unconnected_gradients", "colocate_gradients_with_ops")
+
+
+def _as_list(value, argname: str, allow_none: bool = False) -> list:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if value is None and not allow_none:
+        raise errors.InvalidArgumentError(
+            f"{argname}: expected a tensor or a list of tensors, got None.")
+    return [value]
+
+
+def _check_graph_tensor(value, where: str, allow_variable: bool) -> tf.Tensor:
+    if allow_variable and _tf_graph.is_resource_variable(value):
+        return value.handle
+    if isinstance(value, tf.Variable):
+        raise errors.InvalidTypeError(
+            f"{where}: got a reference (non-resource) variable {value.name!r}. Use resource "
+            "variables (the TF 2 default), or pass the variable's value tensor.")
+    if _tf_graph.is_eager_tensor(value):
+        raise errors.EagerExecutionError(
+            f"{where}: got an eager tensor; memsave_grads rewrites graphs, and eager tensors have "
+            "none. Call it inside a tf.function or a tf.Graph (tf.compat.v1 graph mode), or use "
+            "tf.GradientTape in eager code.")
+    if not isinstance(value, tf.Tensor):
+        expected = "a tf.Tensor or a resource variable" if allow_variable else "a tf.Tensor"
+        raise errors.InvalidTypeError(
+            f"{where}: expected {expected}, got {type(value).__name__}: {value!r:.80}.")
+    return value
+
+
+def _normalise(ys, xs, grad_ys):
+    ys = [_check_graph_tensor(y, f"ys[{i}]", allow_variable=True)
+          for i, y in enumerate(_as_list(ys, "ys"))]
+    xs = [_check_graph_tensor(x, f"xs[{i}]", allow_variable=True)
+          for i, x in enumerate(_as_list(xs, "xs"))]
+    if not ys:
+        raise errors.InvalidArgumentError("ys: got an empty list; pass at least one tensor.")
+    if not xs:
+        raise errors.InvalidArgumentError(
+            "xs: got an empty list; pass the tensors or variables to differentiate with respect to.")
+    graph = ys[0].graph
+    for name, tensors in (("ys", ys), ("xs", xs)):
+        for i, t in enumerate(tensors):
+            if t.graph is not graph:
+                raise errors.InvalidArgumentError(
+                    f"{name}[{i}]: {t.name!r} belongs to another graph than ys[0] "
+                    f"({ys[0].name!r}). Build xs and ys in the same graph or tf.function.")
+    if grad_ys is None:
+        grad_ys = [None] * len(ys)
+    else:
+        grad_ys = _as_list(grad_ys, "grad_ys")
+        if len(grad_ys) != len(ys):
+            raise errors.InvalidArgumentError(
+                f"grad_ys: expected one entry per y ({len(ys)}), got {len(grad_ys)}. Pass None "
+                "for a y whose initial gradient is ones.")
+    return graph, ys, xs, grad_ys
+
+
+@tf.autograph.experimental.do_not_convert
+def gradients(ys, xs, grad_ys=None, checkpoints="collection", **tf_gradients_kwargs):
+    """``tf.gradients(ys, xs, grad_ys)`` that recomputes forward activations to save memory.
+
+    Keeps only the *checkpoint* tensors of the forward pass alive for the backward pass and
+    recomputes the rest, segment by segment, as backprop reaches them.
+
+    Args:
+      ys: a tensor or list of tensors to differentiate.
+      xs: a tensor, resource variable, or list of them.
+      grad_ys: optional initial gradients, one per y (as in ``tf.gradients``).
+      checkpoints: what to keep. A strategy name: ``"collection"`` (tensors in the graph
+        collection ``"checkpoints"``), ``"speed"`` (outputs of matmul/conv/einsum ops),
+        ``"memory"`` (about sqrt(N) tensors that separate the graph, chosen automatically);
+        or a list of tensors; or a list of name patterns (globs over op names, or over tensor
+        names when they contain ``:``).
+      **tf_gradients_kwargs: passed on as in ``tf.gradients``: ``name``, ``gate_gradients``,
+        ``aggregation_method``, ``stop_gradients``, ``unconnected_gradients``,
+        ``colocate_gradients_with_ops``.
+
+    Returns:
+      What ``tf.gradients`` returns: a list with one gradient (tensor, ``IndexedSlices`` or
+      ``None``) per x.
+
+    Raises:
+      MemsaveGradsError subclasses (also ValueError/TypeError/RuntimeError) on bad input, and
+      ``NoCheckpointsFoundError`` when the strategy finds nothing to keep.
+    """
+    unknown = sorted(set(tf_gradients_kwargs) - set(TF_GRADIENTS_KWARGS))
+    if unknown:
+        raise errors.InvalidTypeError(
+            f"gradients() got unexpected keyword argument(s) {unknown}; memsave_grads passes on "
+            f"only tf.gradients' own: {list(TF_GRADIENTS_KWARGS)}.")
+    graph, ys, xs, grad_ys = _normalise(ys, xs, grad_ys)
+    kwargs = dict(tf_gradients_kwargs)
+    user_stops = [_check_graph_tensor(t, f"stop_gradients[{i}]", allow_variable=False)
+                  for i, t in enumerate(_as_list(kwargs.pop("stop_gradients", None),
+                                                 "stop_gradients", allow_none=True))
+                  if t is not None]
+    unconnected = kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE)
+    try:
+        unconnected = tf.UnconnectedGradients(unconnected)
+    except ValueError:
+        raise errors.InvalidArgumentError(
+            f"unconnected_gradients: expected 'none' or 'zero' (tf.UnconnectedGradients), got "
+            f"{unconnected!r}.") from None
+    scope = kwargs.get("name") or "gradients"
+
+    with graph.as_default():
+        region = _tf_graph.forward_region(ys, xs, stop_ops={t.op for t in user_stops})
+        must_keep = _select.forced_keep(region, xs)
+        ctx = _select.SelectionContext(graph=graph, region=region, xs=xs, ys=ys,
+                                       must_keep=must_keep)
+        chosen = _select.select(ctx, checkpoints)
+        kept = must_keep | chosen
+        logging.vlog(1, "memsave_grads: %d forward ops, %d checkpoints chosen, %d kept in all",
+                     len(region), len(chosen), len(kept))
+        return _stitch.backprop(
+            ys, xs, grad_ys, region, kept, user_stops, kwargs,
+            unconnected_zero=unconnected == tf.UnconnectedGradients.ZERO,
+            scope=f"{scope}_memsave")
+
+
+def _shortcut(strategy: str):
+    @tf.autograph.experimental.do_not_convert
+    def shortcut(ys, xs, grad_ys=None, **tf_gradients_kwargs):
+        return gradients(ys, xs, grad_ys, checkpoints=strategy, **tf_gradients_kwargs)
+
+    shortcut.__name__ = f"gradients_{strategy}"
+    shortcut.__qualname__ = shortcut.__name__
+    shortcut.__doc__ = f"``gradients(..., checkpoints={strategy!r})``."
+    return shortcut
+
+
+gradients_speed = _shortcut("speed")
+gradients_memory = _shortcut("memory")
+gradients_collection = _shortcut("collection")

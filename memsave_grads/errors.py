@@ -1,0 +1,52 @@
+"""Exceptions raised by memsave_grads.
+
+Every error we raise derives from :class:`MemsaveGradsError` *and* from the builtin exception a
+caller would expect (``ValueError``, ``TypeError``, ``RuntimeError``), so ``except ValueError``
+keeps working in code written for ``tf.gradients``. Messages follow one pattern: which argument,
+what was expected, what was given, and how to fix it.
+"""
+
+
+class MemsaveGradsError(Exception):
+    """Base class of every error raised by memsave_grads."""
+
+
+class InvalidArgumentError(MemsaveGradsError, ValueError):
+    """An argument has the right type but a value we cannot use."""
+
+
+class InvalidTypeError(MemsaveGradsError, TypeError):
+    """An argument has a type we cannot use."""
+
+
+class UnknownStrategyError(InvalidArgumentError):
+    """``checkpoints=`` names a strategy that does not exist."""
+
+
+class CheckpointNotOnPathError(InvalidArgumentError):
+    """A requested checkpoint is not on any path from ``xs`` to ``ys``."""
+
+
+class NoCheckpointsFoundError(InvalidArgumentError):
+    """The strategy found no tensor worth keeping in this graph."""
+
+
+class UnsupportedGraphError(MemsaveGradsError, NotImplementedError):
+    """The forward graph uses a construct the rewrite cannot copy safely."""
+
+
+class SparseGradientError(MemsaveGradsError, ValueError):
+    """A sparse partial must be densified but its dense shape is unknown."""
+
+
+class EagerExecutionError(MemsaveGradsError, RuntimeError):
+    """Called with eager tensors outside a graph or ``tf.function``."""
+
+
+class PatchStateError(MemsaveGradsError, RuntimeError):
+    """``patch()``/``unpatch()`` called in the wrong state."""
+
+
+#: Errors after which a patched ``tf.gradients`` may fall back to the original function: the
+#: graph is fine for TensorFlow, we merely have nothing to gain or cannot rewrite it.
+FALLBACK_ERRORS = (NoCheckpointsFoundError, UnsupportedGraphError)

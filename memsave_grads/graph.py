@@ -1,0 +1,97 @@
+"""A TensorFlow-free model of the forward graph between ``xs`` and ``ys``.
+
+Nodes are operations numbered ``0..n-1`` in a topological order; edges are data dependencies.
+The planners and the memory estimate work on this model only, so they can be tested fast and
+property-tested without building TensorFlow graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardGraph:
+    """The forward region between ``xs`` and ``ys`` as a DAG of operations.
+
+    Attributes:
+      inputs: for each node, the nodes whose outputs it reads (all with a smaller index).
+      size_bytes: bytes of each node's outputs (static shapes; unknown dimensions count as 1).
+      reads_source: node reads an ``x`` directly (an edge from the virtual source).
+      feeds_sink: node produces a ``y`` (an edge to the virtual sink).
+      names: node names, for reports and errors.
+    """
+
+    inputs: tuple[tuple[int, ...], ...]
+    size_bytes: tuple[int, ...]
+    reads_source: tuple[bool, ...]
+    feeds_sink: tuple[bool, ...]
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        n = len(self.inputs)
+        if not (len(self.size_bytes) == len(self.reads_source) == len(self.feeds_sink) == n):
+            raise ValueError("ForwardGraph fields must all have one entry per node")
+        for node, preds in enumerate(self.inputs):
+            for p in preds:
+                if not 0 <= p < node:
+                    raise ValueError(f"node {node} reads node {p}: nodes must be in topological order")
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.inputs)
+
+    def consumers(self) -> list[list[int]]:
+        """For each node, the distinct nodes that read it."""
+        out: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for node, preds in enumerate(self.inputs):
+            for p in sorted(set(preds)):
+                out[p].append(node)
+        return out
+
+
+def separators(graph: ForwardGraph, always_live: Iterable[int] = ()) -> list[int]:
+    """Nodes that every path to the sinks passes through, in linear time.
+
+    Sweep the topological order keeping the number of edges that cross the cut after the
+    current node. A node is a separator exactly when every edge crossing the cut right after it
+    starts at it: any path to a sink must cross that cut, so it passes through the node; and a
+    true separator passes this test in *every* topological order (docs/design.md, note
+    "separators").
+
+    Edges out of the sources (``xs``) and out of ``always_live`` nodes (tensors kept anyway,
+    such as stateful ops' outputs) are ignored: they bypass a checkpoint without keeping
+    anything extra alive.
+    """
+    n = graph.num_nodes
+    live = set(always_live)
+    consumers = graph.consumers()
+    counted_out = [0 if v in live else len(consumers[v]) + (1 if graph.feeds_sink[v] else 0)
+                   for v in range(n)]
+    open_edges = 0
+    result = []
+    for v in range(n):
+        closed = sum(1 for p in set(graph.inputs[v]) if p not in live)
+        open_edges += counted_out[v] - closed
+        if counted_out[v] > 0 and open_edges == counted_out[v]:
+            result.append(v)
+    return result
+
+
+def segment_bytes_between(graph: ForwardGraph, kept: Sequence[int]) -> list[int]:
+    """Bytes of the non-kept nodes between consecutive kept nodes in topological order.
+
+    A coarse, linear-time stand-in for the recompute working set of each segment: exact for
+    chains, an upper bound when branches of different segments interleave.
+    """
+    kept_set = set(kept)
+    totals, running = [], 0
+    for v in range(graph.num_nodes):
+        if v in kept_set:
+            totals.append(running)
+            running = 0
+        else:
+            running += graph.size_bytes[v]
+    totals.append(running)
+    return totals
