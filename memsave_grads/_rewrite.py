@@ -7,9 +7,13 @@ If/While ops exactly). This and ``_tf_graph.py`` are the only modules touching p
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util_v2
+
+_function_counter = itertools.count()
 
 #: Attributes on If/While ops that cache their FuncGraphs. A copy must not share them: the
 #: gradient of cond_v2/while_v2 rewrites the forward op's function graphs in place, so a shared
@@ -51,5 +55,37 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str,
             for attr in _CACHED_FUNC_GRAPH_ATTRS:
                 if hasattr(new, attr):
                     delattr(new, attr)
+            _give_own_functions(new)
             copies[op] = new
     return copies
+
+
+#: Function-valued attributes of control-flow v2 ops, with the cache attribute the gradient
+#: code reads, and how to find the functions' input shapes.
+_FUNCTION_ATTRS = {
+    "If": (("then_branch", "_true_graph"), ("else_branch", "_false_graph")),
+    "StatelessIf": (("then_branch", "_true_graph"), ("else_branch", "_false_graph")),
+    "While": (("cond", "_cond_graph"), ("body", "_body_graph")),
+    "StatelessWhile": (("cond", "_cond_graph"), ("body", "_body_graph")),
+}
+
+
+def _input_shapes(op: tf.Operation) -> list:
+    if op.type.endswith("While"):
+        return [tf.TensorShape(s) for s in op.get_attr("output_shapes")]
+    return [t.shape for t in op.inputs[1:]]  # If: the first input is the predicate
+
+
+def _give_own_functions(op: tf.Operation) -> None:
+    """Point a copied If/While op at fresh, uniquely named copies of its functions.
+
+    The gradient of cond_v2/while_v2 renames the forward functions ``<name>_rewritten`` and
+    re-registers them with extra outputs; an original and its copy sharing a function would
+    register two different ``<name>_rewritten`` and TensorFlow rejects the second one.
+    """
+    for attr, cache in _FUNCTION_ATTRS.get(op.type, ()):
+        name = op.get_attr(attr).name
+        func_graph = control_flow_util_v2.get_func_graph(op, _input_shapes(op), name)
+        func_graph.name = f"{name}_memsave{next(_function_counter)}"
+        op._set_func_attr(attr, control_flow_util_v2.create_new_tf_function(func_graph))  # pylint: disable=protected-access
+        setattr(op, cache, func_graph)

@@ -1,0 +1,41 @@
+"""Test setup: allocator statistics must be switched on before TensorFlow is imported."""
+
+import os
+
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+
+def assert_grads_close(actual, expected, rtol=1e-5):
+    """Elementwise rtol, with an absolute floor of rtol x the largest reference magnitude.
+
+    Summing the same partials in another order changes float32 results by a few ulps of the
+    *largest* term, so elements near zero need the floor.
+    """
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if e is None:
+            assert a is None, f"gradient {i}: expected None, got {a!r}"
+            continue
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape, f"gradient {i}: shape {a.shape} != {e.shape}"
+        scale = float(np.max(np.abs(e))) if e.size else 0.0
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale + 1e-30,
+                                   err_msg=f"gradient {i}")
+
+
+@pytest.fixture
+def graph():
+    g = tf.Graph()
+    with g.as_default():
+        yield g
+
+
+@pytest.fixture
+def session(graph):
+    with tf.compat.v1.Session(graph=graph) as sess:
+        yield sess
