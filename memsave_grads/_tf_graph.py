@@ -17,9 +17,11 @@ from tensorflow.python.ops import resource_variable_ops
 from memsave_grads import graph as graph_lib
 from memsave_grads import policies
 
-#: The real ``tf.gradients``, captured when this module is imported (a reference, not a patch):
-#: every gradient we build goes through it, so a patched ``tf.gradients`` never recurses.
+#: The real ``tf.compat.v1.gradients``, captured when this module is imported (a reference, not a
+#: patch): every gradient we build goes through it, so a patched ``tf.gradients`` never recurses.
 ORIGINAL_GRADIENTS = gradients_impl.gradients
+#: The real TF2 ``tf.gradients`` (``gradients_v2``: the same, without colocate_gradients_with_ops).
+ORIGINAL_GRADIENTS_V2 = gradients_impl.gradients_v2
 
 
 def is_resource_variable(value) -> bool:

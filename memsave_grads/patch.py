@@ -1,10 +1,11 @@
 """Route ``tf.gradients`` (and everything that calls it) through memsave_grads.
 
-TensorFlow exposes the same function object under many module attributes
-(``tf.gradients``, ``tf.compat.v1.gradients``, ``tensorflow.python.ops.gradients.gradients``
-used by v1 optimizers, the ``_api.v2`` modules, ``tensorflow.compat.v2.compat.v1`` used by
-tf_keras...). :func:`patch` replaces every module attribute that *is* the original function and
-remembers each one, so :func:`unpatch` restores exactly those (design note "patching").
+TensorFlow exposes two functions under many module attributes: ``gradients_impl.gradients``
+(``tf.compat.v1.gradients``, ``tensorflow.python.ops.gradients.gradients`` used by v1 optimizers,
+``tensorflow.compat.v2.compat.v1.gradients`` used by tf_keras...) and ``gradients_impl.gradients_v2``
+(``tf.gradients`` in TF 2, the ``_api.v2`` modules). :func:`patch` replaces every module attribute
+that *is* one of them and remembers each one, so :func:`unpatch` restores exactly those (design
+note "patching").
 """
 
 from __future__ import annotations
@@ -40,38 +41,51 @@ class _Patch:
     def __init__(self, checkpoints, fallback: str):
         self.checkpoints = checkpoints
         self.fallback = fallback
-        self.replaced: list[tuple[object, str]] = []
-        self.wrapper = self._make_wrapper()
+        self.replaced: list[tuple[object, str, object]] = []  # (module, attribute, original)
+        # (original, wrapper) pairs, compared by identity: module attributes can be unhashable.
+        self.wrappers = [(_tf_graph.ORIGINAL_GRADIENTS, self._make_v1_wrapper()),
+                         (_tf_graph.ORIGINAL_GRADIENTS_V2, self._make_v2_wrapper())]
 
-    def _make_wrapper(self):
-        patch_state = self
+    def call(self, ys, xs, grad_ys, kwargs):
+        """What every patched name does: memsave_grads, or the original where it must."""
+        if _active is not self:  # a stale reference kept past unpatch()
+            return _tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **kwargs)
+        try:
+            return api.gradients(ys, xs, grad_ys, checkpoints=self.checkpoints, **kwargs)
+        except errors.FALLBACK_ERRORS as exc:
+            if self.fallback == "error":
+                raise
+            logging.warning("memsave_grads: falling back to tf.gradients: %s", exc)
+            return _tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **kwargs)
 
+    def _make_v1_wrapper(self):
         @tf.autograph.experimental.do_not_convert
         def gradients(ys, xs, grad_ys=None, name="gradients", colocate_gradients_with_ops=False,
                       gate_gradients=False, aggregation_method=None, stop_gradients=None,
                       unconnected_gradients=tf.UnconnectedGradients.NONE):
-            kwargs = dict(name=name, colocate_gradients_with_ops=colocate_gradients_with_ops,
-                          gate_gradients=gate_gradients, aggregation_method=aggregation_method,
-                          stop_gradients=stop_gradients,
-                          unconnected_gradients=unconnected_gradients)
-            if _active is not patch_state:  # a stale reference kept past unpatch()
-                return _tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **kwargs)
-            try:
-                return api.gradients(ys, xs, grad_ys, checkpoints=patch_state.checkpoints,
-                                     **kwargs)
-            except errors.FALLBACK_ERRORS as exc:
-                if patch_state.fallback == "error":
-                    raise
-                logging.warning("memsave_grads: falling back to tf.gradients: %s", exc)
-                return _tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **kwargs)
+            return self.call(ys, xs, grad_ys, dict(
+                name=name, colocate_gradients_with_ops=colocate_gradients_with_ops,
+                gate_gradients=gate_gradients, aggregation_method=aggregation_method,
+                stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients))
 
-        gradients.__doc__ = (f"tf.gradients patched by memsave_grads "
-                             f"(checkpoints={self.checkpoints!r}).")
         gradients.__wrapped__ = _tf_graph.ORIGINAL_GRADIENTS
+        gradients.__doc__ = f"tf.compat.v1.gradients via memsave_grads ({self.checkpoints!r})."
         return gradients
 
+    def _make_v2_wrapper(self):
+        @tf.autograph.experimental.do_not_convert
+        def gradients_v2(ys, xs, grad_ys=None, name="gradients", gate_gradients=False,
+                         aggregation_method=None, stop_gradients=None,
+                         unconnected_gradients=tf.UnconnectedGradients.NONE):
+            return self.call(ys, xs, grad_ys, dict(
+                name=name, gate_gradients=gate_gradients, aggregation_method=aggregation_method,
+                stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients))
+
+        gradients_v2.__wrapped__ = _tf_graph.ORIGINAL_GRADIENTS_V2
+        gradients_v2.__doc__ = f"tf.gradients via memsave_grads ({self.checkpoints!r})."
+        return gradients_v2
+
     def apply(self) -> None:
-        original = _tf_graph.ORIGINAL_GRADIENTS
         for module_name, module in list(sys.modules.items()):
             if module is None or module_name.split(".")[0] == "memsave_grads":
                 continue
@@ -80,15 +94,17 @@ class _Patch:
             except TypeError:
                 continue
             for attr, value in list(namespace.items()):
-                if value is original:
-                    setattr(module, attr, self.wrapper)
-                    self.replaced.append((module, attr))
+                for original, wrapper in self.wrappers:
+                    if value is original:
+                        setattr(module, attr, wrapper)
+                        self.replaced.append((module, attr, original))
         logging.info("memsave_grads: patched %d references to tf.gradients", len(self.replaced))
 
     def restore(self) -> None:
-        for module, attr in self.replaced:
-            if getattr(module, attr, None) is self.wrapper:
-                setattr(module, attr, _tf_graph.ORIGINAL_GRADIENTS)
+        wrappers = [wrapper for _, wrapper in self.wrappers]
+        for module, attr, original in self.replaced:
+            if any(getattr(module, attr, None) is w for w in wrappers):
+                setattr(module, attr, original)
         self.replaced.clear()
 
     def __enter__(self):
