@@ -1,0 +1,125 @@
+"""What the rewrite adds to the graph, and what it must leave alone."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave_grads as mg
+from conftest import assert_grads_close
+
+
+def _snapshot(graph):
+    return {op.name: (op.type, [t.name for t in op.inputs], [c.name for c in op.control_inputs],
+                      op.device, op.node_def.SerializeToString(deterministic=True))
+            for op in graph.get_operations()}
+
+
+def _mlp(depth=6, dropout=False, device=None):
+    x = tf.constant(np.random.RandomState(0).randn(4, 8).astype(np.float32), name="x")
+    ws = [tf.Variable(np.random.RandomState(i).randn(8, 8).astype(np.float32) / 3, name=f"w{i}")
+          for i in range(depth)]
+    h = x
+    for i, w in enumerate(ws):
+        with tf.device(device if device else None):
+            h = tf.tanh(tf.matmul(h, w), name=f"layer{i}")
+            if dropout:
+                h = tf.nn.dropout(h, rate=0.25)
+    return x, ws, tf.reduce_sum(h * h, name="loss")
+
+
+@pytest.mark.parametrize("strategy", ["memory", "speed"])
+def test_user_graph_is_untouched(graph, session, strategy):
+    x, ws, loss = _mlp(dropout=False)
+    session.run(tf.compat.v1.global_variables_initializer())
+    forward_before = session.run(loss)
+    # Snapshot after the first run: Session.run itself rewrites AssignVariableOp attributes.
+    before = _snapshot(graph)
+    mg.gradients(loss, ws + [x], checkpoints=strategy)
+    after = _snapshot(graph)
+    assert {name: after[name] for name in before} == before
+    assert len(after) > len(before)
+    np.testing.assert_allclose(session.run(loss), forward_before)
+
+
+def test_stateful_ops_are_never_copied(graph):
+    x, ws, loss = _mlp(dropout=True)
+    before = set(graph.get_operations())
+    mg.gradients(loss, ws, checkpoints="memory")
+    copies = [op for op in graph.get_operations() if op not in before and "recompute" in op.name]
+    assert copies, "expected recomputed segments"
+    assert not [op for op in copies if op.op_def.is_stateful], "a stateful op was copied"
+
+
+def test_copies_keep_devices_and_wait_for_their_gradient(graph):
+    x, ws, loss = _mlp(device="/device:CPU:0")
+    before = set(graph.get_operations())
+    mg.gradients(loss, ws, checkpoints="memory")
+    copies = [op for op in graph.get_operations() if op not in before and "recompute" in op.name]
+    originals = {op.name: op for op in before}
+    for copy in copies:
+        original_name = copy.name.split("/", 2)[-1]
+        original = originals.get(original_name)
+        if original is not None:
+            assert copy.device == original.device
+    roots = [op for op in copies if not any(t.op in copies for t in op.inputs)]
+    assert roots and all(op.control_inputs for op in roots)
+    assert all(any("gradients" in c.name for c in op.control_inputs) for op in roots)
+
+
+def test_op_names_are_deterministic():
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            _, ws, loss = _mlp()
+            mg.gradients(loss, ws, checkpoints="memory")
+        return [op.name for op in g.get_operations()]
+
+    assert build() == build()
+
+
+def test_repeated_calls_and_second_order(graph, session):
+    x = tf.constant(np.random.RandomState(0).randn(4, 8).astype(np.float32))
+    w = tf.Variable(np.random.RandomState(1).randn(8, 8).astype(np.float32) / 3)
+    h = x
+    for _ in range(5):
+        h = tf.tanh(tf.matmul(h, w))
+    loss = tf.reduce_sum(h * h)
+    first = mg.gradients(loss, x, checkpoints="memory")
+    again = mg.gradients(loss, x, checkpoints="memory")
+    reference = tf.gradients(loss, x)
+    # Second order: gradient of a function of the (memsave) gradient.
+    second = tf.gradients(tf.reduce_sum(first[0] ** 2), w)
+    second_ref = tf.gradients(tf.reduce_sum(reference[0] ** 2), w)
+    session.run(tf.compat.v1.global_variables_initializer())
+    got = session.run([first[0], again[0], second[0]])
+    want = session.run([reference[0], reference[0], second_ref[0]])
+    assert_grads_close(got, want)
+
+
+def test_sparse_stays_sparse_and_mixed_is_densified(graph, session):
+    table = tf.Variable(np.random.RandomState(0).randn(12, 8).astype(np.float32))
+    ids = tf.constant([1, 5, 5, 11])
+    h = tf.gather(table, ids)
+    for i in range(4):
+        h = tf.tanh(tf.matmul(h, tf.ones([8, 8]) * (0.1 + i)))
+    sparse_loss = tf.reduce_sum(h)
+    mixed_loss = sparse_loss + tf.reduce_sum(tf.matmul(h, table, transpose_b=True))
+    sparse = mg.gradients(sparse_loss, table, checkpoints="memory")[0]
+    mixed = mg.gradients(mixed_loss, table, checkpoints="memory")[0]
+    assert isinstance(sparse, tf.IndexedSlices)
+    assert isinstance(mixed, tf.Tensor)
+    ref_sparse = tf.convert_to_tensor(tf.gradients(sparse_loss, table)[0])
+    ref_mixed = tf.gradients(mixed_loss, table)[0]
+    session.run(tf.compat.v1.global_variables_initializer())
+    got = session.run([tf.convert_to_tensor(sparse), mixed])
+    want = session.run([ref_sparse, ref_mixed])
+    assert_grads_close(got, want)
+
+
+def test_sparse_partial_without_dense_shape_meeting_dense_is_an_error():
+    from memsave_grads import _stitch
+    with tf.Graph().as_default():
+        t = tf.zeros([4, 2], name="t")
+        sparse = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]))  # no dense_shape
+        with pytest.raises(mg.SparseGradientError, match="no dense_shape"):
+            _stitch.aggregate([sparse, tf.ones([4, 2])], t)
