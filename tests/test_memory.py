@@ -64,3 +64,27 @@ def test_without_control_dependencies_nothing_is_saved(monkeypatch):
 
 def test_measurement_requires_bfc_statistics():
     assert tf.config.experimental.get_memory_info("CPU:0") is not None
+
+
+@pytest.mark.parametrize("method", ["tf.gradients", "memory"])
+def test_peak_inside_tf_function(method):
+    """The same saving per tf.function call (the control dependencies survive grappler)."""
+    x = tf.constant(np.random.RandomState(0).rand(ROWS, COLS).astype(np.float32))
+
+    @tf.function
+    def step(x):
+        h = x
+        for _ in range(100):
+            h = tf.tanh(h)
+        y = tf.reduce_sum(h)
+        if method == "memory":
+            return mg.gradients(y, x, checkpoints="memory")[0]
+        return tf.gradients(y, x)[0]
+
+    step(x)
+    peak, grad = memory.peak_bytes_of(lambda: step(x).numpy())
+    peak_mib = peak / MIB
+    if method == "memory":
+        assert peak_mib <= 30, f"'memory' peaked at {peak_mib:.1f} MiB inside tf.function"
+    else:
+        assert peak_mib >= 90, f"tf.gradients peaked at {peak_mib:.1f} MiB inside tf.function"
