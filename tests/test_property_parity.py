@@ -1,0 +1,142 @@
+"""Randomised parity: random forward DAGs, random xs/ys, every strategy == tf.gradients.
+
+Profiles: the default runs in CI; ``MEMSAVE_HYPOTHESIS_PROFILE=thorough python -m pytest
+tests/test_property_parity.py`` runs thousands of examples.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import memsave_grads as mg
+from conftest import assert_grads_close
+
+settings.register_profile("ci", max_examples=150, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=3000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("MEMSAVE_HYPOTHESIS_PROFILE", "ci"))
+
+B, D = 3, 4
+UNARY = ["tanh", "relu", "sigmoid", "matmul", "stop_gradient", "identity", "transpose",
+         "gather", "unstack", "row_norm", "cond", "split"]
+BINARY = ["add", "mul", "sub", "concat_split"]
+
+
+def _apply(kind, args, dtype, seed):
+    a = args[0]
+    if kind == "tanh":
+        return tf.tanh(a)
+    if kind == "relu":
+        return tf.nn.relu(a)
+    if kind == "sigmoid":
+        return tf.sigmoid(a)
+    if kind == "matmul":
+        w = np.random.RandomState(seed).randn(D, D) / 2
+        return tf.matmul(a, tf.constant(w, dtype=dtype))
+    if kind == "stop_gradient":
+        return tf.stop_gradient(a) + a * 0.5
+    if kind == "identity":
+        return tf.identity(a)
+    if kind == "transpose":
+        return tf.reshape(tf.transpose(tf.reshape(a, [-1, 2, D // 2]), [0, 2, 1]), [-1, D])
+    if kind == "gather":
+        return tf.gather(a, [2, 0, 1, 1][:B] if B == 3 else list(range(B)))
+    if kind == "unstack":
+        return tf.stack(tf.unstack(a, num=B, axis=0)[::-1], axis=0)
+    if kind == "row_norm":
+        return a * tf.reduce_mean(a, axis=1, keepdims=True)
+    if kind == "cond":
+        return tf.cond(tf.reduce_sum(a) > 0, lambda: tf.tanh(a) * 2.0, lambda: a * a)
+    if kind == "split":
+        p, q = tf.split(a, 2, axis=1)
+        return tf.concat([q * 3.0, tf.sin(p)], axis=1)
+    b = args[1]
+    if kind == "add":
+        return a + b
+    if kind == "mul":
+        return a * b
+    if kind == "sub":
+        return a - b
+    if kind == "concat_split":
+        left, _ = tf.split(tf.concat([a, b], axis=1), [D, D], axis=1)
+        _, right = tf.split(tf.concat([b, a], axis=1), [D, D], axis=1)
+        return left * right
+    raise AssertionError(kind)
+
+
+@st.composite
+def programs(draw):
+    n_inputs = draw(st.integers(1, 3))
+    n_ops = draw(st.integers(2, 14))
+    steps = []
+    for i in range(n_ops):
+        available = n_inputs + i
+        if draw(st.booleans()):
+            kind = draw(st.sampled_from(UNARY))
+            args = [draw(st.integers(max(0, available - 4), available - 1))]
+        else:
+            kind = draw(st.sampled_from(BINARY))
+            args = [draw(st.integers(0, available - 1)) for _ in range(2)]
+        steps.append((kind, args))
+    total = n_inputs + n_ops
+    ys = sorted(draw(st.sets(st.integers(n_inputs, total - 1), min_size=1, max_size=2)))
+    xs = sorted(draw(st.sets(st.integers(0, total - 1), min_size=1, max_size=3)))
+    strategy = draw(st.sampled_from(["memory", "speed", "collection", "explicit"]))
+    picks = draw(st.sets(st.integers(n_inputs, total - 1), max_size=4))
+    return dict(n_inputs=n_inputs, steps=steps, ys=ys, xs=xs, strategy=strategy,
+                picks=sorted(picks), dtype=draw(st.sampled_from([tf.float32, tf.float64])),
+                unknown_batch=draw(st.booleans()), use_grad_ys=draw(st.booleans()))
+
+
+def _build(program):
+    dtype = program["dtype"]
+    rng = np.random.RandomState(0)
+    feed, nodes = {}, []
+    for i in range(program["n_inputs"]):
+        value = rng.randn(B, D).astype(dtype.as_numpy_dtype)
+        if program["unknown_batch"]:
+            ph = tf.compat.v1.placeholder(dtype, [None, D])
+            feed[ph] = value
+            nodes.append(ph)
+        else:
+            nodes.append(tf.constant(value))
+    for step, (kind, args) in enumerate(program["steps"]):
+        nodes.append(_apply(kind, [nodes[a] for a in args], dtype, seed=step))
+    return nodes, feed
+
+
+@given(programs())
+def test_random_graphs_match_tf_gradients(program):
+    graph = tf.Graph()
+    with graph.as_default():
+        nodes, feed = _build(program)
+        ys = [nodes[i] for i in program["ys"]]
+        xs = [nodes[i] for i in program["xs"]]
+        grad_ys = None
+        if program["use_grad_ys"]:
+            grad_ys = [tf.constant(np.full([B, D], 0.5 + i), dtype=program["dtype"])
+                       for i in range(len(ys))]
+        interior = [nodes[i] for i in program["picks"]
+                    if all(nodes[i] is not t for t in ys + xs)]
+        for t in interior:
+            tf.compat.v1.add_to_collection("checkpoints", t)
+        checkpoints = interior if program["strategy"] == "explicit" else program["strategy"]
+        expected = tf.gradients(ys, xs, grad_ys)
+        try:
+            actual = mg.gradients(ys, xs, grad_ys, checkpoints=checkpoints)
+        except (mg.NoCheckpointsFoundError, mg.CheckpointNotOnPathError):
+            assume(False)  # the strategy legitimately found nothing to keep here
+        except mg.InvalidArgumentError as err:
+            assume("empty list" not in str(err))
+            raise
+        assert [e is None for e in expected] == [a is None for a in actual]
+        pairs = [(a, e) for a, e in zip(actual, expected) if e is not None]
+        with tf.compat.v1.Session(graph=graph) as sess:
+            got, want = sess.run([[tf.convert_to_tensor(a) for a, _ in pairs],
+                                  [tf.convert_to_tensor(e) for _, e in pairs]], feed)
+    assert_grads_close(got, want, rtol=1e-5 if program["dtype"] == tf.float32 else 1e-10)
