@@ -180,6 +180,14 @@ def select(ctx: SelectionContext, checkpoints) -> set[tf.Operation]:
         f"{_describe(checkpoints)}.")
 
 
+def single_owner(ctx: SelectionContext, kept: set[tf.Operation]) -> set[tf.Operation]:
+    """``kept`` plus the ops that would otherwise be recomputed in two segments
+    (graph.close_segments)."""
+    index = {op: i for i, op in enumerate(ctx.region)}
+    closed = graph_lib.close_segments(ctx.model, [index[op] for op in kept if op in index])
+    return kept | {ctx.region[i] for i in closed}
+
+
 def forced_keep(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor]) -> set[tf.Operation]:
     """Ops kept whatever the strategy: they cannot be replayed, or they produce an ``x``.
 

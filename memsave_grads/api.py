@@ -28,8 +28,10 @@ def _as_list(value, argname: str, allow_none: bool = False) -> list:
 
 def _check_graph_tensor(value, where: str, allow_variable: bool) -> tf.Tensor:
     if allow_variable and _tf_graph.is_resource_variable(value):
-        return value.handle
-    if isinstance(value, tf.Variable):
+        # Inside tf.function a variable created outside has an eager handle; converting it in
+        # the function's graph gives the captured placeholder its reads consume.
+        value = tf.convert_to_tensor(value.handle)
+    elif isinstance(value, tf.Variable):
         raise errors.InvalidTypeError(
             f"{where}: got a reference (non-resource) variable {value.name!r}. Use resource "
             "variables (the TF 2 default), or pass the variable's value tensor.")
@@ -48,14 +50,15 @@ def _check_graph_tensor(value, where: str, allow_variable: bool) -> tf.Tensor:
 def _normalise(ys, xs, grad_ys):
     ys = [_check_graph_tensor(y, f"ys[{i}]", allow_variable=True)
           for i, y in enumerate(_as_list(ys, "ys"))]
-    xs = [_check_graph_tensor(x, f"xs[{i}]", allow_variable=True)
-          for i, x in enumerate(_as_list(xs, "xs"))]
     if not ys:
         raise errors.InvalidArgumentError("ys: got an empty list; pass at least one tensor.")
+    graph = ys[0].graph
+    with graph.as_default():
+        xs = [_check_graph_tensor(x, f"xs[{i}]", allow_variable=True)
+              for i, x in enumerate(_as_list(xs, "xs"))]
     if not xs:
         raise errors.InvalidArgumentError(
             "xs: got an empty list; pass the tensors or variables to differentiate with respect to.")
-    graph = ys[0].graph
     for name, tensors in (("ys", ys), ("xs", xs)):
         for i, t in enumerate(tensors):
             if t.graph is not graph:
@@ -127,7 +130,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **tf_gradients_kwa
         ctx = _select.SelectionContext(graph=graph, region=region, xs=xs, ys=ys,
                                        must_keep=must_keep)
         chosen = _select.select(ctx, checkpoints)
-        kept = must_keep | chosen
+        kept = _select.single_owner(ctx, must_keep | chosen)
         logging.vlog(1, "memsave_grads: %d forward ops, %d checkpoints chosen, %d kept in all",
                      len(region), len(chosen), len(kept))
         return _stitch.backprop(

@@ -95,3 +95,31 @@ def segment_bytes_between(graph: ForwardGraph, kept: Sequence[int]) -> list[int]
             running += graph.size_bytes[v]
     totals.append(running)
     return totals
+
+
+def close_segments(graph: ForwardGraph, kept: Iterable[int]) -> set[int]:
+    """``kept`` plus every node whose outputs feed more than one segment, in linear time.
+
+    A node's *owner* is the kept node (or the top segment, above the ``ys``) whose segment would
+    copy it. A node read by two segments would be copied, and recomputed, twice; on a residual
+    stream whose adds are not kept, every segment would replay the stream back to the input and
+    the rewrite would grow quadratically. Keeping such nodes makes every node's owner unique:
+    each forward op is recomputed at most once (design note "single owner").
+    """
+    top = -1
+    kept = set(kept)
+    consumers = graph.consumers()
+    owner: list[int | None] = [None] * graph.num_nodes
+    for v in reversed(range(graph.num_nodes)):
+        if v in kept:
+            continue
+        owners = {top} if graph.feeds_sink[v] else set()
+        for c in consumers[v]:
+            owners.add(c if c in kept else owner[c])
+            if len(owners) > 1:
+                break
+        if len(owners) > 1:
+            kept.add(v)
+        else:
+            owner[v] = owners.pop() if owners else top
+    return kept

@@ -18,12 +18,15 @@ from memsave_grads import graph as graph_lib
 MIN_RELATIVE_SIZE = 0.01
 
 
-def worth_keeping(graph: graph_lib.ForwardGraph, nodes: Iterable[int]) -> list[int]:
-    """Drop nodes whose outputs are tiny next to the largest activation of the graph."""
+def worth_keeping(graph: graph_lib.ForwardGraph, nodes: Iterable[int],
+                  candidates: Iterable[int]) -> list[int]:
+    """Drop nodes whose outputs are tiny next to the largest candidate activation.
+
+    The reference is the largest *candidate*, not the largest tensor: weights are kept anyway,
+    and with an unknown batch dimension (counted as 1) they dwarf every activation.
+    """
     nodes = list(nodes)
-    if not nodes:
-        return []
-    largest = max(graph.size_bytes) if graph.num_nodes else 0
+    largest = max((graph.size_bytes[v] for v in candidates), default=0)
     floor = max(1, MIN_RELATIVE_SIZE * largest)
     return [v for v in nodes if graph.size_bytes[v] >= floor]
 
@@ -59,9 +62,9 @@ def sqrt_n_separators(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     fixed count. Returns ``[]`` when no separator is worth keeping.
     """
     must_keep = set(must_keep)
-    candidate_set = set(candidates)
-    pool = [v for v in worth_keeping(graph, graph_lib.separators(graph, must_keep))
-            if v in candidate_set and v not in must_keep]
+    candidate_set = set(candidates) - must_keep
+    pool = [v for v in worth_keeping(graph, graph_lib.separators(graph, must_keep), candidate_set)
+            if v in candidate_set]
     if not pool:
         return []
     cumulative, running = [], 0

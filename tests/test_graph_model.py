@@ -74,3 +74,35 @@ def test_always_live_edges_do_not_block_separators():
                                feeds_sink=(False, False, False, True))
     assert graph_lib.separators(g) == [0, 3]  # 3 produces y: every path ends there
     assert graph_lib.separators(g, always_live=[0]) == [1, 2, 3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(region_dags(), st.data())
+def test_close_segments_gives_every_node_one_owner(g, data):
+    kept = data.draw(st.sets(st.integers(0, g.num_nodes - 1)))
+    closed = graph_lib.close_segments(g, kept)
+    assert set(kept) <= closed
+    consumers = g.consumers()
+    # Brute force: the segments (kept node + non-kept ancestors up to kept nodes) are disjoint.
+    owners = {}
+    seeds = [(k, k) for k in closed] + [("top", v) for v in range(g.num_nodes)
+                                        if g.feeds_sink[v] and v not in closed]
+    for owner, start in seeds:
+        stack = [start] if owner == "top" else [p for p in g.inputs[start]]
+        while stack:
+            v = stack.pop()
+            if v in closed:
+                continue
+            assert owners.setdefault(v, owner) == owner, f"node {v} in two segments"
+            stack.extend(g.inputs[v])
+    assert consumers is not None
+
+
+def test_close_segments_keeps_an_unkept_residual_stream():
+    # h1 = h0 + t(m1); m2 = mm(h1); h2 = h1 + t(m2) ... with only the matmuls kept ("speed").
+    # nodes: 0 h0(in), 1 m1, 2 t1, 3 h1, 4 m2, 5 t2, 6 h2, 7 m3, 8 t3, 9 h3(y)
+    inputs = ((), (0,), (1,), (0, 2), (3,), (4,), (3, 5), (6,), (7,), (6, 8))
+    g = graph_lib.ForwardGraph(inputs=inputs, size_bytes=(1,) * 10,
+                               reads_source=(True,) + (False,) * 9,
+                               feeds_sink=(False,) * 9 + (True,))
+    assert graph_lib.close_segments(g, {1, 4, 7}) == {0, 1, 3, 4, 6, 7}

@@ -58,3 +58,40 @@ def test_tf_function_parity(builder, strategy, monkeypatch):
 
     ours, theirs = step()
     assert_grads_close([o.numpy() for o in ours], [t.numpy() for t in theirs])
+
+
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_tf_function_with_variables_created_outside(strategy):
+    """The usual TF2 training step: variables outside, gradients w.r.t. them inside."""
+    rng = np.random.RandomState(0)
+    ws = [tf.Variable(rng.randn(8, 8).astype(np.float32) / 3) for _ in range(6)]
+    x = tf.constant(rng.randn(4, 8).astype(np.float32))
+
+    @tf.function
+    def step():
+        h = x
+        for w in ws:
+            h = h + tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h * h)
+        return mg.gradients(loss, ws, checkpoints=strategy), tf.gradients(loss, ws)
+
+    ours, theirs = step()
+    assert_grads_close([o.numpy() for o in ours], [t.numpy() for t in theirs])
+
+
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+def test_unknown_batch_with_large_weights(graph, session, strategy):
+    """Unknown batch counts as 1: weights dwarf activations, yet separators are still kept."""
+    x = tf.compat.v1.placeholder(tf.float32, [None, 256])
+    ws = [tf.Variable(np.eye(256, dtype=np.float32) * 0.5) for _ in range(16)]
+    h = x
+    for w in ws:
+        h = h + tf.tanh(tf.matmul(h, w))
+    loss = tf.reduce_mean(tf.square(h))
+    ours = mg.gradients(loss, ws, checkpoints=strategy)
+    assert any("recompute" in op.name for op in graph.get_operations())
+    theirs = tf.gradients(loss, ws)
+    session.run(tf.compat.v1.global_variables_initializer())
+    feed = {x: np.random.RandomState(0).randn(5, 256).astype(np.float32)}
+    got, want = session.run([ours, theirs], feed)
+    assert_grads_close(got, want)

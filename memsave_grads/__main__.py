@@ -1,0 +1,167 @@
+"""memsave-grads: compare tf.gradients with memsave_grads on peak memory, time and accuracy.
+
+Usage: python -m memsave_grads <command> [flags]     (or: memsave-grads <command> [flags])
+
+Commands:
+  demo       One SGD step of a deep residual MLP (h = h + tanh(h @ W_i)) in a tf.compat.v1
+             Session, three ways: tf.gradients, memsave_grads 'memory' and 'speed'. Prints a
+             markdown table of peak memory, median step time and gradient error.
+             Flags: --depth --width --batch --repeats.
+  benchmark  The same measurements over several model families (residual MLPs, a tanh MLP
+             chain, a ResNet-style conv net); progress on stderr, the table on stdout and, with
+             --output FILE, in a markdown file. Flags: --repeats --models --output.
+
+Peak memory on CPU needs TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow is
+imported. Importing the package imports TensorFlow, so the command re-executes itself once with
+the variable set when it was not.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+
+FLAGS = flags.FLAGS
+
+#: Environment the measurements need before TensorFlow is imported (memory.CPU_BFC_ENV).
+CPU_BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
+COMMANDS = ("demo", "benchmark")
+#: Set in the environment of the re-executed process (see _ensure_environment).
+_RESTARTED_ENV = "MEMSAVE_GRADS_CLI_RESTARTED"
+
+
+def _define_flags() -> None:
+    """Define the command's flags (once per process; nothing is defined at import time)."""
+    if "depth" in FLAGS:
+        return
+    flags.DEFINE_integer("depth", 64, "demo: residual blocks.", lower_bound=1)
+    flags.DEFINE_integer("width", 1024, "demo: units per layer.", lower_bound=1)
+    flags.DEFINE_integer("batch", 256, "demo: batch size.", lower_bound=1)
+    flags.DEFINE_integer("repeats", 3, "Timed training steps per method (median reported), "
+                         "after one warm-up step.", lower_bound=1)
+    flags.DEFINE_list("models", [], "benchmark: only models whose name contains one of these "
+                      "(case-insensitive) substrings, e.g. 'resnet,tanh'. Default: all.")
+    flags.DEFINE_string("output", None, "benchmark: also write the table to this markdown file.")
+
+
+def _ensure_environment() -> None:
+    """Set the allocator variable; re-execute if TensorFlow was imported without it.
+
+    ``python -m memsave_grads`` and the ``memsave-grads`` script both import the package (and
+    so TensorFlow) before any code of this module runs, and the CPU allocator only keeps the
+    statistics the measurements read when the variable was set before that import.
+    """
+    needs_restart = "tensorflow" in sys.modules and os.environ.get(CPU_BFC_ENV) != "true"
+    os.environ[CPU_BFC_ENV] = "true"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if needs_restart and not os.environ.get(_RESTARTED_ENV):  # never more than once
+        os.environ[_RESTARTED_ENV] = "1"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "memsave_grads", *sys.argv[1:]])
+
+
+def _environment_line() -> str:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from memsave_grads import memory  # pylint: disable=import-outside-toplevel
+    return (f"TensorFlow {tf.__version__}, device {memory.default_device()}, "
+            f"{os.cpu_count()} CPU cores")
+
+
+def demo() -> int:
+    """``demo``: the residual MLP, three methods, one table."""
+    from memsave_grads import _bench  # pylint: disable=import-outside-toplevel
+    from memsave_grads import memory  # pylint: disable=import-outside-toplevel
+
+    spec = _bench.residual_mlp(FLAGS.depth, FLAGS.width, FLAGS.batch)
+    activation_mib = FLAGS.batch * FLAGS.width * 4 / memory.MIB
+    weights_mib = FLAGS.depth * FLAGS.width * FLAGS.width * 4 / memory.MIB
+    print(f"{spec.description}; {activation_mib:.3g} MiB per activation, "
+          f"{weights_mib:.3g} MiB of weights; one SGD step per run, median of "
+          f"{FLAGS.repeats}. {_environment_line()}.\n", flush=True)
+    start = time.perf_counter()
+    results = _bench.measure_model(spec, repeats=FLAGS.repeats)
+    logging.info("demo measured in %.1f s", time.perf_counter() - start)
+    print(_bench.demo_table(results))
+    print()
+    for method in _bench.DEFAULT_METHODS[1:]:
+        line = _bench.summary_line(results, method)
+        if line and method is not _bench.MEMORY:
+            print(line)
+    line = _bench.summary_line(results, _bench.MEMORY)
+    print(line or f"{_bench.MEMORY.label}: n/a ({results[1].skipped or results[1].failed})")
+    return 0
+
+
+def benchmark() -> int:
+    """``benchmark``: every model family; returns 1 if a model failed unexpectedly."""
+    from memsave_grads import _bench  # pylint: disable=import-outside-toplevel
+
+    models = _bench.benchmark_models()
+    if FLAGS.models:
+        wanted = [w.lower() for w in FLAGS.models]
+        models = [m for m in models if any(w in m.name.lower() for w in wanted)]
+        if not models:
+            raise app.UsageError(f"--models={','.join(FLAGS.models)} matches no model.")
+    all_results = []
+    status = 0
+    start = time.perf_counter()
+    for i, spec in enumerate(models, 1):
+        logging.info("[%d/%d] %s ...", i, len(models), spec.description)
+        model_start = time.perf_counter()
+        try:
+            results = _bench.measure_model(spec, repeats=FLAGS.repeats)
+        except Exception as e:  # pylint: disable=broad-except  # keep the other models' rows
+            logging.exception("[%d/%d] %s failed", i, len(models), spec.name)
+            results = _bench.failed_results(spec, _bench.DEFAULT_METHODS, e)
+            status = 1
+        all_results.append(results)
+        summary = "; ".join(filter(None, (_bench.summary_line(results, m)
+                                          for m in _bench.DEFAULT_METHODS[1:])))
+        logging.info("[%d/%d] %s done in %.1f s. %s", i, len(models), spec.name,
+                     time.perf_counter() - model_start, summary or "")
+    logging.info("benchmark measured in %.1f s", time.perf_counter() - start)
+
+    table = _bench.benchmark_table(all_results)
+    print(table)
+    print()
+    print(_bench.TABLE_NOTES)
+    if FLAGS.output:
+        with open(FLAGS.output, "w", encoding="utf-8") as f:
+            f.write("# memsave_grads benchmark\n\n")
+            f.write(f"{datetime.date.today().isoformat()}, {_environment_line()}, "
+                    f"median of {FLAGS.repeats} steps.\n\n")
+            f.write(table + "\n\n" + _bench.TABLE_NOTES + "\n")
+        logging.info("wrote %s", FLAGS.output)
+    return status
+
+
+def main(argv: list[str]) -> int:
+    """absl entry point: ``argv[1]`` is the command."""
+    if len(argv) != 2 or argv[1] not in COMMANDS:
+        raise app.UsageError(f"expected one command, one of {', '.join(COMMANDS)}; got "
+                             f"{' '.join(argv[1:]) or 'none'}.")
+    if os.environ.pop(_RESTARTED_ENV, None):
+        logging.info("re-executed with %s=true (TensorFlow had been imported without it)",
+                     CPU_BFC_ENV)
+    return {"demo": demo, "benchmark": benchmark}[argv[1]]()
+
+
+def run() -> None:
+    """Console entry point (``memsave-grads``) and ``python -m memsave_grads``."""
+    _ensure_environment()
+    _define_flags()
+    entry = sys.modules.get("__main__")
+    if entry is not None and not getattr(entry, "__doc__", None):
+        entry.__doc__ = __doc__  # absl prints it as usage; the console script has none
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

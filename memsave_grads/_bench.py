@@ -1,0 +1,451 @@
+"""Measurement machinery of the command line: models, one training step per method, a table.
+
+One :class:`ModelSpec` builds a forward pass and a loss inside a ``tf.Graph``. For every
+:class:`Method`, :func:`measure_model` adds that method's gradients and an SGD update of all
+trainable variables to the *same* graph, then measures in one ``tf.compat.v1.Session``:
+
+* the gradient error of each method against ``tf.gradients``, all of them in one
+  ``session.run`` (same inputs, before any update): ``max|a - b| / max|b|`` per variable, the
+  largest over the variables;
+* the peak memory of one training step (:func:`memsave_grads.memory.peak_bytes_of`), in bytes
+  above what was in use before the step (variables and inputs are resident, so not counted);
+* the median wall time of a training step (:func:`memsave_grads.memory.median_seconds`).
+
+Inputs live in non-trainable variables and every initial value comes from stateless random ops
+with fixed seeds, so nothing is fed and every run sees the same data.
+
+TensorFlow must be imported after ``TF_CPU_ALLOCATOR_USE_BFC=true`` is set for the peak memory
+to be right on CPU; the command line (``memsave_grads.__main__``) takes care of that. Nothing
+here prints: progress goes to absl logging, tables are returned as strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, List, Sequence, Tuple
+
+import tensorflow as tf
+from absl import logging
+
+from memsave_grads import api
+from memsave_grads import errors
+from memsave_grads import memory
+from memsave_grads.patch import original_gradients
+
+#: What a model builder returns: the scalar loss and the variables to train.
+BuiltModel = Tuple[tf.Tensor, List[tf.Variable]]
+
+
+# --------------------------------------------------------------------------------------------
+# Methods
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One way to compute gradients: ``tf.gradients`` or a ``memsave_grads`` strategy."""
+
+    label: str
+    checkpoints: str | None  # None: plain tf.gradients (the reference)
+
+    @property
+    def is_reference(self) -> bool:
+        return self.checkpoints is None
+
+    def gradients(self, loss: tf.Tensor, variables: Sequence[tf.Variable]) -> list:
+        if self.is_reference:  # the unpatched tf.gradients, even under memsave_grads.patch()
+            return original_gradients(loss, list(variables))
+        return api.gradients(loss, list(variables), checkpoints=self.checkpoints)
+
+
+REFERENCE = Method("tf.gradients", None)
+MEMORY = Method("memsave_grads 'memory'", "memory")
+SPEED = Method("memsave_grads 'speed'", "speed")
+#: The methods the command line compares; the reference comes first.
+DEFAULT_METHODS = (REFERENCE, MEMORY, SPEED)
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A named model: ``build()`` is called inside a fresh graph and returns (loss, variables)."""
+
+    name: str
+    build: Callable[[], BuiltModel]
+    description: str = ""
+
+
+def _input(shape, seed: int, name: str) -> tf.Variable:
+    """A non-trainable variable holding fixed random data (so nothing is fed per step)."""
+    return tf.Variable(tf.random.stateless_normal(shape, seed=[seed, 0]), trainable=False,
+                       name=name)
+
+
+def _weight(shape, seed: int, stddev: float, name: str) -> tf.Variable:
+    return tf.Variable(tf.random.stateless_normal(shape, seed=[seed, 1], stddev=stddev),
+                       name=name)
+
+
+def residual_mlp(depth: int, width: int, batch: int, seed: int = 0) -> ModelSpec:
+    """``h = h + tanh(h @ W_i)`` for ``depth`` blocks; loss = mean(h**2).
+
+    One activation is ``batch * width * 4`` bytes; ``tf.gradients`` keeps about two per block.
+    """
+
+    def build():
+        h = _input([batch, width], seed, "inputs")
+        weights = []
+        for i in range(depth):
+            with tf.name_scope(f"block{i}"):
+                w = _weight([width, width], seed + 1 + i, 0.5 / math.sqrt(width), "w")
+                weights.append(w)
+                h = h + tf.tanh(tf.matmul(h, w))
+        return tf.reduce_mean(tf.square(h), name="loss"), weights
+
+    return ModelSpec(
+        f"residual MLP d={depth} w={width} b={batch}", build,
+        f"residual MLP: {depth} blocks h = h + tanh(h @ W_i), width {width}, batch {batch}")
+
+
+def tanh_mlp(depth: int, width: int, batch: int, seed: int = 0) -> ModelSpec:
+    """A plain chain ``h = tanh(h @ W_i)`` for ``depth`` layers; loss = mean(h**2)."""
+
+    def build():
+        h = _input([batch, width], seed, "inputs")
+        weights = []
+        for i in range(depth):
+            with tf.name_scope(f"layer{i}"):
+                w = _weight([width, width], seed + 1 + i, 1.0 / math.sqrt(width), "w")
+                weights.append(w)
+                h = tf.tanh(tf.matmul(h, w))
+        return tf.reduce_mean(tf.square(h), name="loss"), weights
+
+    return ModelSpec(
+        f"tanh MLP d={depth} w={width} b={batch}", build,
+        f"tanh MLP chain: {depth} layers h = tanh(h @ W_i), width {width}, batch {batch}")
+
+
+def conv_resnet(blocks: int = 16, batch: int = 32, image: int = 32,
+                channels: Sequence[int] = (32, 64), classes: int = 10,
+                seed: int = 0) -> ModelSpec:
+    """A small ResNet from raw ops: conv-BN-relu-conv-BN + shortcut, relu; softmax loss.
+
+    ``blocks`` residual blocks split evenly over the stages in ``channels``; every stage after
+    the first halves the resolution (strided conv, 1x1 projection shortcut). Batch norm uses
+    batch statistics (``tf.nn.moments`` + ``tf.nn.batch_normalization``).
+    """
+    stages = len(channels)
+    per_stage = [blocks // stages + (1 if s < blocks % stages else 0) for s in range(stages)]
+
+    def build():
+        counter = iter(range(seed + 1, seed + 10_000))
+        variables = []
+
+        def conv(x, cin, cout, k=3, stride=1, name="conv"):
+            kernel = _weight([k, k, cin, cout], next(counter), math.sqrt(2.0 / (k * k * cin)),
+                             f"{name}_kernel")
+            variables.append(kernel)
+            return tf.nn.conv2d(x, kernel, strides=stride, padding="SAME", name=name)
+
+        def batch_norm(x, c, name="bn"):
+            gamma = tf.Variable(tf.ones([c]), name=f"{name}_gamma")
+            beta = tf.Variable(tf.zeros([c]), name=f"{name}_beta")
+            variables.extend([gamma, beta])
+            mean, variance = tf.nn.moments(x, axes=[0, 1, 2])
+            return tf.nn.batch_normalization(x, mean, variance, beta, gamma, 1e-5, name=name)
+
+        images = _input([batch, image, image, 3], seed, "images")
+        labels = tf.Variable(
+            tf.random.stateless_uniform([batch], seed=[seed, 2], maxval=classes, dtype=tf.int32),
+            trainable=False, name="labels")
+        with tf.name_scope("stem"):
+            h = tf.nn.relu(batch_norm(conv(images, 3, channels[0]), channels[0]))
+        cin = channels[0]
+        index = 0
+        for stage, (cout, count) in enumerate(zip(channels, per_stage)):
+            for j in range(count):
+                stride = 2 if stage > 0 and j == 0 else 1
+                with tf.name_scope(f"block{index}"):
+                    y = tf.nn.relu(batch_norm(conv(h, cin, cout, stride=stride, name="conv1"),
+                                              cout, "bn1"))
+                    y = batch_norm(conv(y, cout, cout, name="conv2"), cout, "bn2")
+                    shortcut = h
+                    if stride != 1 or cin != cout:
+                        shortcut = batch_norm(conv(h, cin, cout, k=1, stride=stride,
+                                                   name="proj"), cout, "proj_bn")
+                    h = tf.nn.relu(y + shortcut)
+                cin = cout
+                index += 1
+        with tf.name_scope("head"):
+            pooled = tf.reduce_mean(h, axis=[1, 2])
+            dense = _weight([cin, classes], next(counter), 1.0 / math.sqrt(cin), "dense")
+            variables.append(dense)
+            logits = tf.matmul(pooled, dense)
+            loss = tf.reduce_mean(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits),
+                name="loss")
+        return loss, variables
+
+    return ModelSpec(
+        f"conv ResNet {blocks} blocks b={batch} {image}x{image}", build,
+        f"ResNet-style conv net: {blocks} residual blocks, channels {list(channels)}, "
+        f"{image}x{image} images, batch {batch}")
+
+
+def benchmark_models() -> list[ModelSpec]:
+    """The model families of ``memsave-grads benchmark``."""
+    return [
+        residual_mlp(depth=32, width=1024, batch=256),
+        residual_mlp(depth=128, width=512, batch=256),
+        tanh_mlp(depth=64, width=1024, batch=256),
+        conv_resnet(blocks=16, batch=32, image=32, channels=(32, 64)),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Result:
+    """One row: a model trained with one method.
+
+    ``skipped`` says why a strategy does not apply (n/a); ``failed`` names an unexpected error.
+    """
+
+    model: str
+    method: Method
+    graph_ops: int | None = None
+    peak_bytes: int | None = None
+    median_seconds: float | None = None
+    max_rel_error: float | None = None
+    build_seconds: float | None = None
+    skipped: str | None = None
+    failed: str | None = None
+
+
+def _reachable_ops(fetch: tf.Operation) -> int:
+    """How many ops a run of ``fetch`` needs (data and control inputs, before grappler)."""
+    seen = {fetch}
+    stack = [fetch]
+    while stack:
+        op = stack.pop()
+        for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return len(seen)
+
+
+def _dense(grad):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.convert_to_tensor(grad)
+    return grad
+
+
+def _max_relative_error(grads: Sequence, reference: Sequence) -> tf.Tensor:
+    """A scalar tensor: max over variables of ``max|a - b| / max|b|`` (``inf`` if a is missing)."""
+    ratios = []
+    for a, b in zip(grads, reference):
+        if a is None and b is None:
+            continue
+        if a is None or b is None:
+            ratios.append(tf.constant(math.inf))
+            continue
+        a, b = _dense(a), _dense(b)
+        diff = tf.reduce_max(tf.abs(a - b))
+        scale = tf.reduce_max(tf.abs(b))
+        ratios.append(tf.where(scale > 0, diff / tf.maximum(scale, 1e-30), diff))
+    if not ratios:
+        return tf.constant(0.0)
+    return tf.reduce_max(tf.stack(ratios))
+
+
+def _short_reason(error: Exception, limit: int = 90) -> str:
+    text = " ".join(str(error).split())
+    first = text.split(". ")[0]
+    return first if len(first) <= limit else first[:limit - 3] + "..."
+
+
+def measure_model(spec: ModelSpec, methods: Sequence[Method] = DEFAULT_METHODS,
+                  repeats: int = 3, learning_rate: float = 1e-4) -> list[Result]:
+    """Build ``spec`` once, add each method's training step, and measure them all.
+
+    All steps live in one graph and one session (see the module docstring). The gradient
+    errors are read first, in one run, before any update; then each step is run once to warm
+    up, ``repeats`` times for the median time, and once more for the peak memory.
+
+    The first method is the reference for gradient errors (normally ``tf.gradients``). A method
+    whose strategy raises one of :data:`memsave_grads.errors.FALLBACK_ERRORS` (for instance
+    ``NoCheckpointsFoundError``) is reported with ``skipped`` set instead of failing.
+    """
+    graph = tf.Graph()
+    results = [Result(spec.name, m) for m in methods]
+    steps: dict[int, tf.Operation] = {}
+    grads_of: dict[int, list] = {}
+    with graph.as_default():
+        loss, variables = spec.build()
+        for i, (method, result) in enumerate(zip(methods, results)):
+            start = time.perf_counter()
+            try:
+                grads = method.gradients(loss, variables)
+            except errors.FALLBACK_ERRORS as e:  # nothing to gain, or the graph cannot be rewritten
+                result.skipped = _short_reason(e)
+                logging.info("%s / %s: n/a (%s)", spec.name, method.label, e)
+                continue
+            optimizer = tf.compat.v1.train.GradientDescentOptimizer(learning_rate)
+            steps[i] = optimizer.apply_gradients(
+                [(g, v) for g, v in zip(grads, variables) if g is not None],
+                name=f"train_step_{i}")
+            grads_of[i] = grads
+            result.build_seconds = time.perf_counter() - start
+            result.graph_ops = _reachable_ops(steps[i])
+        errors_of = {}
+        if 0 in grads_of:
+            with tf.name_scope("grad_errors"):
+                errors_of = {i: _max_relative_error(g, grads_of[0])
+                             for i, g in grads_of.items() if i != 0}
+        init = tf.compat.v1.global_variables_initializer()
+    graph.finalize()
+
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(init)
+        if errors_of:
+            values = session.run(errors_of)  # one run: same inputs, before any update
+            for i, value in values.items():
+                results[i].max_rel_error = float(value)
+        if 0 in grads_of:
+            results[0].max_rel_error = 0.0
+        for i, step in steps.items():
+            def run_step(step=step):
+                session.run(step)
+            results[i].median_seconds = memory.median_seconds(run_step, repeats=repeats,
+                                                              warmup=1)
+            results[i].peak_bytes, _ = memory.peak_bytes_of(run_step)
+            logging.info("%s / %s: %d ops, peak %s MiB, median step %s ms, "
+                         "max rel grad err %s (gradients built in %.1f s)",
+                         spec.name, methods[i].label, results[i].graph_ops,
+                         _number(results[i].peak_bytes / memory.MIB),
+                         _number(results[i].median_seconds * 1e3),
+                         _format_error(results[i].max_rel_error), results[i].build_seconds)
+    return results
+
+
+def failed_results(spec: ModelSpec, methods: Sequence[Method], error: Exception) -> list[Result]:
+    """Rows for a model whose measurement raised ``error`` (so a benchmark can go on)."""
+    reason = f"{type(error).__name__}: {_short_reason(error, limit=60)}"
+    return [Result(spec.name, m, failed=reason) for m in methods]
+
+
+# --------------------------------------------------------------------------------------------
+# Formatting
+# --------------------------------------------------------------------------------------------
+
+
+def _format_error(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    return f"{value:.1e}"
+
+
+def format_peak_ratio(reference_bytes: int | None, bytes_: int | None) -> str:
+    """``"4.10x less"`` (or ``"1.20x more"``): the reference's peak over this peak."""
+    if not reference_bytes or bytes_ is None:
+        return "-"
+    if bytes_ <= 0:
+        return "inf"
+    ratio = reference_bytes / bytes_
+    if abs(ratio - 1) < 0.005:
+        return "1.00x"
+    return f"{ratio:.2f}x less" if ratio > 1 else f"{1 / ratio:.2f}x more"
+
+
+def format_time_ratio(reference_s: float | None, seconds: float | None) -> str:
+    """``"1.30x"``: this step time over the reference's."""
+    if not reference_s or seconds is None:
+        return "-"
+    return f"{seconds / reference_s:.2f}x"
+
+
+def _number(value: float) -> str:
+    """Three significant digits or so: 1234, 123, 12.3, 1.23, 0.123."""
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    if value >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def _cells(result: Result, reference: Result) -> list[str]:
+    if result.skipped is not None:
+        reason = result.skipped.replace("|", "/")
+        return [f"n/a ({reason})", "-", "-", "-", "-"]
+    if result.failed is not None:
+        reason = result.failed.replace("|", "/")
+        return [f"error ({reason})", "-", "-", "-", "-"]
+    return [_number(result.peak_bytes / memory.MIB),
+            format_peak_ratio(reference.peak_bytes, result.peak_bytes),
+            _number(result.median_seconds * 1e3),
+            format_time_ratio(reference.median_seconds, result.median_seconds),
+            "-" if result.method.is_reference else _format_error(result.max_rel_error)]
+
+
+def _table(header: Sequence[str], align: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def demo_table(results: Sequence[Result]) -> str:
+    """The demo's table: method | peak MiB | vs tf.gradients | median step ms | ..."""
+    reference = results[0]
+    return _table(
+        ["method", "peak MiB", "vs tf.gradients", "median step ms", "time ratio",
+         "max rel grad err"], "lrrrrr",
+        [[r.method.label, *_cells(r, reference)] for r in results])
+
+
+def benchmark_table(results_per_model: Sequence[Sequence[Result]]) -> str:
+    """The benchmark's table: one row per (model, method)."""
+    rows = []
+    for results in results_per_model:
+        reference = results[0]
+        for r in results:
+            ops = "-" if r.graph_ops is None else str(r.graph_ops)
+            rows.append([r.model, ops, r.method.label, *_cells(r, reference)])
+    return _table(
+        ["model", "graph ops", "method", "peak MiB", "peak ratio", "median step ms",
+         "time ratio", "max rel grad err"], "lrlrrrrr", rows)
+
+
+TABLE_NOTES = (
+    "peak MiB: allocator peak during one training step (gradients + SGD update) above the memory "
+    "in use before it (variables and inputs). peak ratio / vs tf.gradients: tf.gradients' peak "
+    "over this one. time ratio: median step time over tf.gradients'. max rel grad err: "
+    "max over variables of max|g - g_tf| / max|g_tf|, one run, same inputs. graph ops: ops a "
+    "training step needs (forward, gradients, update) before grappler.")
+
+
+def summary_line(results: Sequence[Result], method: Method) -> str | None:
+    """``"memsave_grads 'memory': 4.1x less peak memory at 1.3x step time"`` (None if n/a)."""
+    reference = results[0]
+    for r in results:
+        if (r.method == method and r.peak_bytes and reference.peak_bytes
+                and r.median_seconds and reference.median_seconds):
+            ratio = reference.peak_bytes / r.peak_bytes
+            amount = (f"{ratio:.1f}x less" if ratio >= 1 else f"{1 / ratio:.1f}x more")
+            return (f"{method.label}: {amount} peak memory at "
+                    f"{r.median_seconds / reference.median_seconds:.1f}x step time")
+    return None

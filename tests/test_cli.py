@@ -1,0 +1,119 @@
+"""The command line (``python -m memsave_grads``), its measurement helpers, and the examples."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+import memsave_grads
+from memsave_grads import _bench
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEMO_SMALL = ["demo", "--depth", "8", "--width", "64", "--batch", "8", "--repeats", "1"]
+
+
+def _run(args, env_overrides=None, drop=(), timeout=120):
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    for name in drop:
+        env.pop(name, None)
+    env.update(env_overrides or {})
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def test_demo_prints_table_and_summary():
+    # Started without the allocator variable, as a user would: the command must re-execute
+    # itself with TF_CPU_ALLOCATOR_USE_BFC=true (TensorFlow is imported with the package).
+    proc = _run(["-m", "memsave_grads", *DEMO_SMALL], drop=["TF_CPU_ALLOCATOR_USE_BFC"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert ("| method | peak MiB | vs tf.gradients | median step ms | time ratio | "
+            "max rel grad err |") in out
+    for label in ("| tf.gradients |", "| memsave_grads 'memory' |", "| memsave_grads 'speed' |"):
+        assert label in out, out
+    assert out.strip().splitlines()[-1].startswith("memsave_grads 'memory': ")
+    assert "re-executed with TF_CPU_ALLOCATOR_USE_BFC=true" in proc.stderr
+
+
+def test_unknown_command_is_a_usage_error():
+    proc = _run(["-m", "memsave_grads", "nonsense"], env_overrides={
+        "TF_CPU_ALLOCATOR_USE_BFC": "true"})
+    assert proc.returncode != 0
+    assert "expected one command" in proc.stderr
+
+
+@pytest.mark.parametrize("script", ["session_loop.py", "tf_function_loop.py"])
+def test_example_runs(script):
+    if script == "tf_function_loop.py" and not _captured_variables_supported():
+        pytest.xfail("memsave_grads.gradients does not yet accept variables created outside a "
+                     "tf.function (their eager handle is not captured into the FuncGraph)")
+    proc = _run([str(ROOT / "examples" / script), "--steps", "3", "--depth", "4",
+                 "--width", "32", "--batch", "16"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step")]
+    assert len(lines) == 3, proc.stdout
+    losses = [float(line.split()[-1]) for line in lines]
+    assert all(loss == loss for loss in losses), losses  # no NaN
+    assert losses[-1] < losses[0], losses
+
+
+def _captured_variables_supported() -> bool:
+    v = tf.Variable(tf.ones([2, 2]))
+
+    @tf.function
+    def step():
+        loss = tf.reduce_sum(tf.tanh(tf.matmul(v, v)))
+        return memsave_grads.gradients(loss, [v], checkpoints="speed")
+
+    try:
+        step()
+    except Exception:  # pylint: disable=broad-except
+        return False
+    return True
+
+
+def _elementwise_chain() -> _bench.ModelSpec:
+    """No matmul at all: the 'speed' strategy has nothing to keep."""
+
+    def build():
+        w = tf.Variable(tf.ones([64, 64]), name="w")
+        h = w
+        for _ in range(6):
+            h = tf.tanh(h * 1.5)
+        return tf.reduce_mean(tf.square(h)), [w]
+
+    return _bench.ModelSpec("elementwise chain", build)
+
+
+def test_measure_model_reports_inapplicable_strategy_as_na():
+    results = _bench.measure_model(_elementwise_chain(), repeats=1)
+    by_label = {r.method.label: r for r in results}
+    speed = by_label["memsave_grads 'speed'"]
+    assert speed.skipped and speed.peak_bytes is None
+    reference = by_label["tf.gradients"]
+    assert reference.peak_bytes is not None and reference.peak_bytes > 0
+    table = _bench.benchmark_table([results])
+    assert "| elementwise chain |" in table
+    assert "n/a (checkpoints='speed'" in table
+
+
+def test_measure_model_gradients_match():
+    results = _bench.measure_model(_bench.residual_mlp(depth=6, width=32, batch=8), repeats=1)
+    assert [r.method for r in results] == list(_bench.DEFAULT_METHODS)
+    for r in results:
+        assert r.skipped is None and r.failed is None
+        assert r.max_rel_error is not None and r.max_rel_error < 1e-5
+        assert r.graph_ops > 0 and r.median_seconds > 0
+    assert "| memsave_grads 'memory' |" in _bench.demo_table(results)
+    assert _bench.summary_line(results, _bench.MEMORY).startswith("memsave_grads 'memory': ")
+
+
+def test_ratio_formatting():
+    assert _bench.format_peak_ratio(400, 100) == "4.00x less"
+    assert _bench.format_peak_ratio(100, 120) == "1.20x more"
+    assert _bench.format_peak_ratio(100, 100) == "1.00x"
+    assert _bench.format_time_ratio(2.0, 2.6) == "1.30x"
