@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 
 import tensorflow as tf
 from absl import logging

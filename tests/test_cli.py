@@ -8,7 +8,6 @@ import sys
 import pytest
 import tensorflow as tf
 
-import memsave_grads
 from memsave_grads import _bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

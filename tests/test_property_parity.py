@@ -7,7 +7,6 @@ tests/test_property_parity.py`` runs thousands of examples.
 import os
 
 import numpy as np
-import pytest
 import tensorflow as tf
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -98,7 +97,7 @@ def _build(program):
     dtype = program["dtype"]
     rng = np.random.RandomState(0)
     feed, nodes = {}, []
-    for i in range(program["n_inputs"]):
+    for _ in range(program["n_inputs"]):
         value = rng.randn(B, D).astype(dtype.as_numpy_dtype)
         if program["unknown_batch"]:
             ph = tf.compat.v1.placeholder(dtype, [None, D])
