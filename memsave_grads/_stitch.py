@@ -148,7 +148,10 @@ def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence
     top = state.segment(top_seeds)
     sources = state.sources(top)
     known = {t.ref() for t in sources}
-    sources += [t for t in extra_sources if t.ref() not in known and not known.add(t.ref())]
+    for t in extra_sources:  # a y that is itself kept or an x: its gradient is its grad_y
+        if t.ref() not in known:
+            known.add(t.ref())
+            sources.append(t)
     state.run(top_targets, top_grads, sources, user_stops, tf_kwargs)
 
     # Levels: deepest segment reading a kept op, +1. Kept ops in reverse topological order.
