@@ -8,7 +8,7 @@ If/While ops exactly). This and ``_tf_graph.py`` are the only modules touching p
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util_v2
@@ -23,24 +23,25 @@ _CACHED_FUNC_GRAPH_ATTRS = ("_true_graph", "_false_graph", "_cond_graph", "_body
                             "_branch_graphs")
 
 
-def copy_ops(ops: Sequence[tf.Operation], scope: str,
-             control_inputs: Sequence[tf.Operation]) -> dict[tf.Operation, tf.Operation]:
+def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[tf.Operation],
+             replacements: Mapping | None = None) -> dict[tf.Operation, tf.Operation]:
     """Copy ``ops`` (topologically ordered, one graph) and return ``{original: copy}``.
 
-    A copy reads the copies of its inputs where those were copied and the original tensors
-    otherwise. It keeps the original's attributes (colocation ``_class`` included), device and
+    A copy reads the copies of its inputs where those were copied, ``replacements[t.ref()]``
+    where given (the boundaries), and the original tensors otherwise. It keeps the original's attributes (colocation ``_class`` included), device and
     control inputs. Copies that read no other copy get ``control_inputs`` as extra control
     dependencies: without them TensorFlow schedules the recomputation during the forward pass
     and nothing is saved (docs/design.md, note "scheduling").
     """
     if not ops:
         return {}
+    replacements = replacements or {}
     graph = ops[0].graph
     copies: dict[tf.Operation, tf.Operation] = {}
     with graph.name_scope(scope):
         for op in ops:
-            inputs = [copies[t.op].outputs[t.value_index] if t.op in copies else t
-                      for t in op.inputs]
+            inputs = [copies[t.op].outputs[t.value_index] if t.op in copies
+                      else replacements.get(t.ref(), t) for t in op.inputs]
             new = graph._create_op_internal(  # pylint: disable=protected-access
                 op.type, inputs, dtypes=[t.dtype for t in op.outputs], name=op.name,
                 attrs=dict(op.node_def.attr), op_def=op.op_def, compute_device=False)

@@ -9,9 +9,10 @@ time.
 Order (design note "levels" in docs/design.md): a kept op's *level* is one more than the
 deepest level of any segment that reads it (the top segment has level 0). Every partial for a
 kept tensor comes from a lower level, so when its level comes its gradient is complete. Each
-level is one ``tf.gradients`` call over the union of its segments, with the kept tensors and
-``xs`` it reads as sources and as ``stop_gradients`` (the boundaries: backprop stops there and
-the partial w.r.t. them is read off).
+level is one ``tf.gradients`` call over the union of its segments. Copies read fresh
+``tf.stop_gradient`` *boundaries* of the kept tensors and ``xs`` (note "boundaries"); those, and
+the inputs of original ops, are the call's sources and ``stop_gradients``: backprop stops there
+and the partial w.r.t. each is read off.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class _Backprop:
         self.partials: dict = collections.defaultdict(list)
         self.totals: dict = {}
 
-    def is_boundary(self, t: tf.Tensor) -> bool:
+    def ends_segment(self, t: tf.Tensor) -> bool:
+        """Kept tensors and xs: where a segment walk stops and partials are collected."""
         return (t.op in self.region_set and t.op in self.kept) or t.ref() in self.x_refs
 
     def segment(self, seeds: Iterable[tf.Operation]) -> list[tf.Operation]:
@@ -95,7 +97,7 @@ class _Backprop:
                 continue
             seen.add(op)
             stack.extend(t.op for t in op.inputs
-                         if t.op in self.region_set and not self.is_boundary(t)
+                         if t.op in self.region_set and not self.ends_segment(t)
                          and t.op not in seen)
         return sorted(seen, key=lambda op: op._id)  # pylint: disable=protected-access
 
@@ -103,7 +105,7 @@ class _Backprop:
         seen, out = set(), []
         for op in segment_ops:
             for t in op.inputs:
-                if self.is_boundary(t) and t.ref() not in seen:
+                if self.ends_segment(t) and t.ref() not in seen:
                     seen.add(t.ref())
                     out.append(t)
         return out
@@ -115,13 +117,23 @@ class _Backprop:
             self.totals[key] = aggregate(self.partials.get(key, ()), t)
         return self.totals[key]
 
-    def run(self, targets, target_grads, sources, user_stops, tf_kwargs) -> None:
-        """One tf.gradients call; its results become partials of ``sources``."""
+    def is_external_x(self, t: tf.Tensor) -> bool:
+        return t.ref() in self.x_refs and t.op not in self.region_set
+
+    def run(self, targets, target_grads, sources, user_stops, tf_kwargs,
+            readers=None) -> None:
+        """One tf.gradients call; its results become partials of ``sources``.
+
+        ``readers[i]`` is the tensor the differentiated ops actually read for ``sources[i]``:
+        a boundary for copied segments, the source itself for original ops. All of them are
+        stop_gradients, so backprop ends there and the partial is read off.
+        """
         if not targets or not sources:
             return
+        readers = list(sources) if readers is None else readers
         grads = _tf_graph.ORIGINAL_GRADIENTS(
-            targets, sources, grad_ys=target_grads,
-            stop_gradients=list(sources) + list(user_stops), **tf_kwargs)
+            targets, readers, grad_ys=target_grads,
+            stop_gradients=list(readers) + list(user_stops), **tf_kwargs)
         for t, g in zip(sources, grads):
             if g is not None:
                 self.partials[t.ref()].append(g)
@@ -130,14 +142,14 @@ class _Backprop:
 def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence,
              region: Sequence[tf.Operation], kept: Iterable[tf.Operation],
              user_stops: Sequence[tf.Tensor], tf_kwargs: dict, unconnected_zero: bool,
-             scope: str) -> list:
+             scope_prefix: str) -> list:
     """Gradients of ``ys`` w.r.t. ``xs`` with every non-top segment recomputed."""
     state = _Backprop(region, kept, xs)
 
     # Level 0: the top segment, through the original ops.
     top_targets, top_grads, top_seeds, extra_sources = [], [], [], []
     for y, gy in zip(ys, grad_ys):
-        if state.is_boundary(y):
+        if state.ends_segment(y):
             extra_sources.append(y)
         elif y.op not in state.region_set:
             continue  # y does not depend on xs
@@ -164,12 +176,19 @@ def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence
             if t.op in level and t.op is not op:
                 level[t.op] = max(level[t.op], level[op] + 1)
 
+    # Original (uncopied) ops that read only external xs, such as variable reads, feed nothing
+    # but xs: one call at the very end does them all (design note "levels").
+    deferred = [op for op in level if not _tf_graph.is_replayable(op)
+                and all(state.is_external_x(t) for t in state.sources([op]))]
     by_level = collections.defaultdict(list)
     for op, lvl in level.items():
         by_level[lvl].append(op)
+    deferred_set = set(deferred)
+    levels = [(lvl, [op for op in by_level[lvl] if op not in deferred_set])
+              for lvl in sorted(by_level)] + [("final", deferred)]
 
-    for lvl in sorted(by_level):
-        group = sorted(by_level[lvl], key=lambda o: o._id)  # pylint: disable=protected-access
+    for lvl, group in levels:
+        group = sorted(group, key=lambda o: o._id)  # pylint: disable=protected-access
         active = []
         for op in group:
             ds = [state.total(t) for t in op.outputs]
@@ -177,20 +196,33 @@ def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence
                 active.append((op, ds))
         if not active:
             continue
-        to_copy = sorted({s for op, _ in active if _tf_graph.is_replayable(op)
-                          for s in segments[op]}, key=lambda o: o._id)  # pylint: disable=protected-access
+        replayed = [op for op, _ in active if _tf_graph.is_replayable(op)]
+        to_copy = sorted({s for op in replayed for s in segments[op]},
+                         key=lambda o: o._id)  # pylint: disable=protected-access
+        scope = f"{scope_prefix}/recompute_level{lvl}"
+        # Copies read fresh stop_gradient boundaries, not the kept tensors themselves:
+        # tf.gradients walks everything downstream of its sources, and the originals have the
+        # whole rest of the graph downstream (design note "boundaries").
+        copied_sources = state.sources(to_copy)
+        boundaries = {}
+        with tf.name_scope(f"{scope}/boundary"):
+            for t in copied_sources:
+                with t.graph.colocate_with(t.op):
+                    boundaries[t.ref()] = tf.stop_gradient(t)
         control = [c for _, ds in active for d in ds if d is not None for c in _gradient_ops(d)]
-        copies = _rewrite.copy_ops(to_copy, f"{scope}/recompute_level{lvl}", control)
-        targets, target_grads, seg_ops = [], [], []
+        copies = _rewrite.copy_ops(to_copy, scope, control, replacements=boundaries)
+        targets, target_grads = [], []
         for op, ds in active:
             produced = copies.get(op, op)
             for t, d in zip(produced.outputs, ds):
                 if d is not None:
                     targets.append(t)
                     target_grads.append(d)
-            seg_ops.extend(segments[op])
-        state.run(targets, target_grads, state.sources(seg_ops), user_stops, tf_kwargs)
-        logging.vlog(1, "memsave_grads: level %d: %d kept ops, %d ops recomputed",
+        original_sources = state.sources([op for op, _ in active if op not in copies])
+        sources = copied_sources + original_sources
+        readers = [boundaries[t.ref()] for t in copied_sources] + original_sources
+        state.run(targets, target_grads, sources, user_stops, tf_kwargs, readers=readers)
+        logging.vlog(1, "memsave_grads: level %s: %d kept ops, %d ops recomputed",
                      lvl, len(active), len(to_copy))
 
     results = []

@@ -135,7 +135,7 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **tf_gradients_kwa
         return _stitch.backprop(
             ys, xs, grad_ys, region, kept, user_stops, kwargs,
             unconnected_zero=unconnected == tf.UnconnectedGradients.ZERO,
-            scope=f"{scope}_memsave")
+            scope_prefix=f"{scope}_memsave")
 
 
 def _shortcut(strategy: str):

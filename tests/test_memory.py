@@ -53,7 +53,8 @@ def test_without_control_dependencies_nothing_is_saved(monkeypatch):
 
     original = _rewrite.copy_ops
     monkeypatch.setattr(_rewrite, "copy_ops",
-                        lambda ops, scope, control_inputs: original(ops, scope, []))
+                        lambda ops, scope, control_inputs, **kwargs: original(ops, scope, [],
+                                                                             **kwargs))
     graph = tf.Graph()
     with graph.as_default():
         x, y = _chain(residual=False)
