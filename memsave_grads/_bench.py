@@ -92,42 +92,36 @@ def _weight(shape, seed: int, stddev: float, name: str) -> tf.Variable:
                        name=name)
 
 
-def residual_mlp(depth: int, width: int, batch: int, seed: int = 0) -> ModelSpec:
-    """``h = h + tanh(h @ W_i)`` for ``depth`` blocks; loss = mean(h**2).
-
-    One activation is ``batch * width * 4`` bytes; ``tf.gradients`` keeps about two per block.
-    """
+def _mlp(depth: int, width: int, batch: int, residual: bool, seed: int) -> Callable[[], BuiltModel]:
+    """Builder of ``h = h + tanh(h @ W_i)`` (residual) or ``h = tanh(h @ W_i)``; loss mean(h**2)."""
+    # Residual blocks add their output to the stream: a smaller init keeps activations bounded.
+    stddev = (0.5 if residual else 1.0) / math.sqrt(width)
 
     def build():
         h = _input([batch, width], seed, "inputs")
         weights = []
         for i in range(depth):
             with tf.name_scope(f"block{i}"):
-                w = _weight([width, width], seed + 1 + i, 0.5 / math.sqrt(width), "w")
+                w = _weight([width, width], seed + 1 + i, stddev, "w")
                 weights.append(w)
-                h = h + tf.tanh(tf.matmul(h, w))
+                out = tf.tanh(tf.matmul(h, w))
+                h = h + out if residual else out
         return tf.reduce_mean(tf.square(h), name="loss"), weights
 
+    return build
+
+
+def residual_mlp(depth: int, width: int, batch: int, seed: int = 0) -> ModelSpec:
+    """``depth`` residual blocks; one activation is ``batch * width * 4`` bytes."""
     return ModelSpec(
-        f"residual MLP d={depth} w={width} b={batch}", build,
+        f"residual MLP d={depth} w={width} b={batch}", _mlp(depth, width, batch, True, seed),
         f"residual MLP: {depth} blocks h = h + tanh(h @ W_i), width {width}, batch {batch}")
 
 
 def tanh_mlp(depth: int, width: int, batch: int, seed: int = 0) -> ModelSpec:
-    """A plain chain ``h = tanh(h @ W_i)`` for ``depth`` layers; loss = mean(h**2)."""
-
-    def build():
-        h = _input([batch, width], seed, "inputs")
-        weights = []
-        for i in range(depth):
-            with tf.name_scope(f"layer{i}"):
-                w = _weight([width, width], seed + 1 + i, 1.0 / math.sqrt(width), "w")
-                weights.append(w)
-                h = tf.tanh(tf.matmul(h, w))
-        return tf.reduce_mean(tf.square(h), name="loss"), weights
-
+    """A plain chain of ``depth`` layers."""
     return ModelSpec(
-        f"tanh MLP d={depth} w={width} b={batch}", build,
+        f"tanh MLP d={depth} w={width} b={batch}", _mlp(depth, width, batch, False, seed),
         f"tanh MLP chain: {depth} layers h = tanh(h @ W_i), width {width}, batch {batch}")
 
 
@@ -424,10 +418,13 @@ def benchmark_table(results_per_model: Sequence[Sequence[Result]]) -> str:
         reference = results[0]
         for r in results:
             ops = "-" if r.graph_ops is None else str(r.graph_ops)
-            rows.append([r.model, ops, r.method.label, *_cells(r, reference)])
+            build = ("-" if r.build_seconds is None else
+                     f"{_number(r.build_seconds)} s "
+                     f"({format_time_ratio(reference.build_seconds, r.build_seconds)})")
+            rows.append([r.model, ops, r.method.label, *_cells(r, reference), build])
     return _table(
         ["model", "graph ops", "method", "peak MiB", "peak ratio", "median step ms",
-         "time ratio", "max rel grad err"], "lrlrrrrr", rows)
+         "time ratio", "max rel grad err", "build (ratio)"], "lrlrrrrrr", rows)
 
 
 TABLE_NOTES = (
@@ -435,7 +432,9 @@ TABLE_NOTES = (
     "in use before it (variables and inputs). peak ratio / vs tf.gradients: tf.gradients' peak "
     "over this one. time ratio: median step time over tf.gradients'. max rel grad err: "
     "max over variables of max|g - g_tf| / max|g_tf|, one run, same inputs. graph ops: ops a "
-    "training step needs (forward, gradients, update) before grappler.")
+    "training step needs (forward, gradients, update) before grappler. build (ratio): seconds to "
+    "construct the gradients and the SGD update op in the graph (the rewrite, for memsave_grads), "
+    "and its ratio to tf.gradients'.")
 
 
 def summary_line(results: Sequence[Result], method: Method) -> str | None:
@@ -445,7 +444,10 @@ def summary_line(results: Sequence[Result], method: Method) -> str | None:
         if (r.method == method and r.peak_bytes and reference.peak_bytes
                 and r.median_seconds and reference.median_seconds):
             ratio = reference.peak_bytes / r.peak_bytes
-            amount = (f"{ratio:.1f}x less" if ratio >= 1 else f"{1 / ratio:.1f}x more")
+            if abs(ratio - 1) < 0.05:
+                amount = "the same"
+            else:
+                amount = f"{ratio:.1f}x less" if ratio > 1 else f"{1 / ratio:.1f}x more"
             return (f"{method.label}: {amount} peak memory at "
                     f"{r.median_seconds / reference.median_seconds:.1f}x step time")
     return None
