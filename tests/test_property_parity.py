@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import tensorflow as tf
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import memsave_grads as mg
@@ -110,7 +110,17 @@ def _build(program):
     return nodes, feed
 
 
+# Regression examples found by the thorough profile.
+CANCELLING_SUBTRACTIONS = {  # exact gradient 0; tf.gradients returns 5e-8 of rounding noise
+    "n_inputs": 1, "steps": [("matmul", [0]), ("matmul", [0]), ("matmul", [0]), ("add", [0, 0]),
+                             ("sub", [2, 2]), ("add", [0, 0]), ("matmul", [3]), ("matmul", [4]),
+                             ("mul", [0, 5]), ("add", [0, 0]), ("sub", [2, 2])],
+    "ys": [9, 11], "xs": [0, 2], "strategy": "memory", "picks": [], "dtype": tf.float32,
+    "unknown_batch": False, "use_grad_ys": False}
+
+
 @given(programs())
+@example(CANCELLING_SUBTRACTIONS)
 def test_random_graphs_match_tf_gradients(program):
     graph = tf.Graph()
     with graph.as_default():
@@ -146,4 +156,8 @@ def test_random_graphs_match_tf_gradients(program):
         with tf.compat.v1.Session(graph=graph) as sess:
             got, want = sess.run([[tf.convert_to_tensor(a) for a, _ in pairs],
                                   [tf.convert_to_tensor(e) for _, e in pairs]], feed)
-    assert_grads_close(got, want, rtol=1e-5 if program["dtype"] == tf.float32 else 1e-10)
+    # Inputs and weights are O(1): an absolute floor far above rounding noise of O(1) terms
+    # that cancel, far below any real gradient error.
+    float32 = program["dtype"] == tf.float32
+    assert_grads_close(got, want, rtol=1e-5 if float32 else 1e-10,
+                       atol=1e-6 if float32 else 1e-12)
