@@ -8,6 +8,8 @@ from memsave_grads.api import gradients
 from memsave_grads.api import gradients_collection
 from memsave_grads.api import gradients_memory
 from memsave_grads.api import gradients_speed
+from memsave_grads._explain import PlanReport
+from memsave_grads._explain import explain
 from memsave_grads.errors import CheckpointNotOnPathError
 from memsave_grads.errors import EagerExecutionError
 from memsave_grads.errors import InvalidArgumentError
@@ -27,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "gradients", "gradients_speed", "gradients_memory", "gradients_collection",
+    "explain", "PlanReport",
     "patch", "unpatch", "is_patched", "original_gradients",
     "MemsaveGradsError", "InvalidArgumentError", "InvalidTypeError", "UnknownStrategyError",
     "CheckpointNotOnPathError", "NoCheckpointsFoundError", "UnsupportedGraphError",

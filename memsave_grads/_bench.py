@@ -31,6 +31,7 @@ from absl import logging
 
 from memsave_grads import api
 from memsave_grads import errors
+from memsave_grads import _explain as explain_lib
 from memsave_grads import memory
 from memsave_grads.patch import original_gradients
 
@@ -81,7 +82,7 @@ class ModelSpec:
     description: str = ""
 
 
-def _input(shape, seed: int, name: str) -> tf.Variable:
+def make_input(shape, seed: int, name: str) -> tf.Variable:
     """A non-trainable variable holding fixed random data (so nothing is fed per step)."""
     return tf.Variable(tf.random.stateless_normal(shape, seed=[seed, 0]), trainable=False,
                        name=name)
@@ -98,7 +99,7 @@ def _mlp(depth: int, width: int, batch: int, residual: bool, seed: int) -> Calla
     stddev = (0.5 if residual else 1.0) / math.sqrt(width)
 
     def build():
-        h = _input([batch, width], seed, "inputs")
+        h = make_input([batch, width], seed, "inputs")
         weights = []
         for i in range(depth):
             with tf.name_scope(f"block{i}"):
@@ -154,7 +155,7 @@ def conv_resnet(blocks: int = 16, batch: int = 32, image: int = 32,
             mean, variance = tf.nn.moments(x, axes=[0, 1, 2])
             return tf.nn.batch_normalization(x, mean, variance, beta, gamma, 1e-5, name=name)
 
-        images = _input([batch, image, image, 3], seed, "images")
+        images = make_input([batch, image, image, 3], seed, "images")
         labels = tf.Variable(
             tf.random.stateless_uniform([batch], seed=[seed, 2], maxval=classes, dtype=tf.int32),
             trainable=False, name="labels")
@@ -221,6 +222,7 @@ class Result:
     median_seconds: float | None = None
     max_rel_error: float | None = None
     build_seconds: float | None = None
+    predicted_peak_bytes: int | None = None
     skipped: str | None = None
     failed: str | None = None
 
@@ -287,6 +289,7 @@ def measure_model(spec: ModelSpec, methods: Sequence[Method] = DEFAULT_METHODS,
     with graph.as_default():
         loss, variables = spec.build()
         for i, (method, result) in enumerate(zip(methods, results)):
+            result.predicted_peak_bytes = _predicted_peak(method, loss, variables)
             start = time.perf_counter()
             try:
                 grads = method.gradients(loss, variables)
@@ -332,6 +335,17 @@ def measure_model(spec: ModelSpec, methods: Sequence[Method] = DEFAULT_METHODS,
     return results
 
 
+def _predicted_peak(method: Method, loss, variables) -> int | None:
+    """The static memory model's peak for ``method`` (None if its strategy does not apply)."""
+    if method.is_reference:
+        return explain_lib.predicted_plain_peak_bytes(loss, list(variables))
+    try:
+        return explain_lib.explain(loss, list(variables),
+                                   checkpoints=method.checkpoints).predicted_peak_bytes
+    except errors.FALLBACK_ERRORS:
+        return None
+
+
 def failed_results(spec: ModelSpec, methods: Sequence[Method], error: Exception) -> list[Result]:
     """Rows for a model whose measurement raised ``error`` (so a benchmark can go on)."""
     reason = f"{type(error).__name__}: {_short_reason(error, limit=60)}"
@@ -363,6 +377,14 @@ def format_peak_ratio(reference_bytes: int | None, bytes_: int | None) -> str:
     return f"{ratio:.2f}x less" if ratio > 1 else f"{1 / ratio:.2f}x more"
 
 
+def format_prediction(result: Result) -> str:
+    """``"88.0 (-3%)"``: the predicted peak in MiB and its error relative to the measured one."""
+    if result.predicted_peak_bytes is None or not result.peak_bytes:
+        return "-"
+    error = (result.predicted_peak_bytes - result.peak_bytes) / result.peak_bytes
+    return f"{_number(result.predicted_peak_bytes / memory.MIB)} ({error:+.0%})"
+
+
 def format_time_ratio(reference_s: float | None, seconds: float | None) -> str:
     """``"1.30x"``: this step time over the reference's."""
     if not reference_s or seconds is None:
@@ -384,11 +406,11 @@ def _number(value: float) -> str:
 def _cells(result: Result, reference: Result) -> list[str]:
     if result.skipped is not None:
         reason = result.skipped.replace("|", "/")
-        return [f"n/a ({reason})", "-", "-", "-", "-"]
+        return [f"n/a ({reason})", "-", "-", "-", "-", "-"]
     if result.failed is not None:
         reason = result.failed.replace("|", "/")
-        return [f"error ({reason})", "-", "-", "-", "-"]
-    return [_number(result.peak_bytes / memory.MIB),
+        return [f"error ({reason})", "-", "-", "-", "-", "-"]
+    return [_number(result.peak_bytes / memory.MIB), format_prediction(result),
             format_peak_ratio(reference.peak_bytes, result.peak_bytes),
             _number(result.median_seconds * 1e3),
             format_time_ratio(reference.median_seconds, result.median_seconds),
@@ -406,8 +428,8 @@ def demo_table(results: Sequence[Result]) -> str:
     """The demo's table: method | peak MiB | vs tf.gradients | median step ms | ..."""
     reference = results[0]
     return _table(
-        ["method", "peak MiB", "vs tf.gradients", "median step ms", "time ratio",
-         "max rel grad err"], "lrrrrr",
+        ["method", "peak MiB", "predicted MiB", "vs tf.gradients", "median step ms",
+         "time ratio", "max rel grad err"], "lrrrrrr",
         [[r.method.label, *_cells(r, reference)] for r in results])
 
 
@@ -423,13 +445,15 @@ def benchmark_table(results_per_model: Sequence[Sequence[Result]]) -> str:
                      f"({format_time_ratio(reference.build_seconds, r.build_seconds)})")
             rows.append([r.model, ops, r.method.label, *_cells(r, reference), build])
     return _table(
-        ["model", "graph ops", "method", "peak MiB", "peak ratio", "median step ms",
-         "time ratio", "max rel grad err", "build (ratio)"], "lrlrrrrrr", rows)
+        ["model", "graph ops", "method", "peak MiB", "predicted MiB", "peak ratio",
+         "median step ms", "time ratio", "max rel grad err", "build (ratio)"], "lrlrrrrrrr",
+        rows)
 
 
 TABLE_NOTES = (
     "peak MiB: allocator peak during one training step (gradients + SGD update) above the memory "
-    "in use before it (variables and inputs). peak ratio / vs tf.gradients: tf.gradients' peak "
+    "in use before it (variables and inputs). predicted MiB: the static memory model's peak "
+    "(memsave_grads.explain) and its error relative to the measured peak. peak ratio / vs tf.gradients: tf.gradients' peak "
     "over this one. time ratio: median step time over tf.gradients'. max rel grad err: "
     "max over variables of max|g - g_tf| / max|g_tf|, one run, same inputs. graph ops: ops a "
     "training step needs (forward, gradients, update) before grappler. build (ratio): seconds to "

@@ -31,6 +31,8 @@ class SelectionContext:
     ys: list[tf.Tensor]
     must_keep: set[tf.Operation]
     _model: graph_lib.ForwardGraph | None = None
+    #: Set by planners that make one (``"memory"``), for reports.
+    plan: planners.CutPlan | None = None
 
     @property
     def model(self) -> graph_lib.ForwardGraph:
@@ -75,19 +77,22 @@ def select_speed(ctx: SelectionContext) -> set[tf.Operation]:
 
 
 def select_memory(ctx: SelectionContext) -> set[tf.Operation]:
-    """About sqrt(N) single-tensor separators, spaced by bytes (see planners.sqrt_n_separators)."""
+    """Cuts where the live frontier is small, placed to minimise the predicted peak
+    (planners.frontier_cuts); works through skip connections of any DAG."""
     index = {op: i for i, op in enumerate(ctx.region)}
     excluded = {index[op] for op in ctx.endpoint_ops if op in index}
     candidates = [i for i in range(len(ctx.region)) if i not in excluded]
     must_keep = [index[op] for op in ctx.must_keep if op in index]
-    chosen = planners.sqrt_n_separators(ctx.model, must_keep, candidates)
-    if not chosen:
+    not_replayed = [i for i in must_keep if not _tf_graph.is_replayable(ctx.region[i])]
+    plan = planners.frontier_cuts(ctx.model, must_keep, candidates, not_replayed)
+    if plan is None:
         raise _no_checkpoints(
-            "memory", f"no single tensor separates xs from ys among the {len(ctx.region)} "
-            "forward ops worth keeping (skip connections around every candidate, or a graph too "
-            "small to gain anything)",
+            "memory", f"no cut of the {len(ctx.region)} forward ops between xs and ys "
+            "keeps only tensors that may be checkpoints (the graph is a single op, or ys are "
+            "read by other forward ops)",
             "Pass checkpoints='speed', or a list of tensors to keep, or use tf.gradients.")
-    return {ctx.region[i] for i in chosen}
+    ctx.plan = plan
+    return {ctx.region[i] for i in plan.kept} - set(ctx.must_keep)
 
 
 STRATEGIES: dict[str, Callable[[SelectionContext], set[tf.Operation]]] = {

@@ -108,19 +108,28 @@ def op_bytes(op: tf.Operation) -> int:
 
 def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
                      ys: Sequence[tf.Tensor]) -> graph_lib.ForwardGraph:
-    """The TF-free model of ``region`` (node ``i`` is ``region[i]``)."""
+    """The TF-free model of ``region`` (node ``i`` is ``region[i]``).
+
+    Variable reads count 0 bytes: their output aliases the variable's buffer, which is resident
+    anyway.
+    """
     index = {op: i for i, op in enumerate(region)}
     x_refs = {x.ref() for x in xs}
     y_ops = {y.op for y in ys}
-    inputs, reads_source = [], []
+    inputs, reads_source, saved = [], [], []
     for op in region:
         preds = sorted({index[t.op] for t in op.inputs if t.op in index})
         inputs.append(tuple(preds))
         reads_source.append(any(t.ref() in x_refs for t in op.inputs))
+        consumer_types = [c.type for t in op.outputs for c in t.consumers() if c in index]
+        saved.append(policies.saved_for_backward(op.type, consumer_types))
     return graph_lib.ForwardGraph(
         inputs=tuple(inputs),
-        size_bytes=tuple(op_bytes(op) for op in region),
+        size_bytes=tuple(0 if op.type in policies.ALIAS_OP_TYPES else op_bytes(op)
+                         for op in region),
         reads_source=tuple(reads_source),
         feeds_sink=tuple(op in y_ops for op in region),
         names=tuple(op.name for op in region),
+        expensive=tuple(policies.is_expensive_op_type(op.type) for op in region),
+        saved_for_backward=tuple(saved),
     )

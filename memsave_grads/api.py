@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 
 import tensorflow as tf
 from absl import logging
@@ -103,6 +104,40 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **tf_gradients_kwa
       MemsaveGradsError subclasses (also ValueError/TypeError/RuntimeError) on bad input, and
       ``NoCheckpointsFoundError`` when the strategy finds nothing to keep.
     """
+    prepared = _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
+    with prepared.graph.as_default():
+        return _stitch.backprop(
+            prepared.ys, prepared.xs, prepared.grad_ys, prepared.region, prepared.kept,
+            prepared.user_stops, prepared.tf_kwargs,
+            unconnected_zero=prepared.unconnected == tf.UnconnectedGradients.ZERO,
+            scope_prefix=f"{prepared.scope}_memsave")
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """Validated arguments and the chosen plan: everything up to (not including) the rewrite."""
+
+    graph: tf.Graph
+    ys: list
+    xs: list
+    grad_ys: list
+    user_stops: list
+    tf_kwargs: dict
+    unconnected: tf.UnconnectedGradients
+    scope: str
+    selection: _select.SelectionContext
+    chosen: set
+    kept: set
+
+    @property
+    def region(self) -> list:
+        return self.selection.region
+
+
+def _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
+             select: bool = True) -> _Prepared:
+    """Validate the arguments and choose what to keep (unless not ``select``); adds nothing to
+    the graph."""
     unknown = sorted(set(tf_gradients_kwargs) - set(TF_GRADIENTS_KWARGS))
     if unknown:
         raise errors.InvalidTypeError(
@@ -128,14 +163,13 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **tf_gradients_kwa
         must_keep = _select.forced_keep(region, xs)
         ctx = _select.SelectionContext(graph=graph, region=region, xs=xs, ys=ys,
                                        must_keep=must_keep)
-        chosen = _select.select(ctx, checkpoints)
+        chosen = _select.select(ctx, checkpoints) if select else set()
         kept = _select.single_owner(ctx, must_keep | chosen)
-        logging.vlog(1, "memsave_grads: %d forward ops, %d checkpoints chosen, %d kept in all",
-                     len(region), len(chosen), len(kept))
-        return _stitch.backprop(
-            ys, xs, grad_ys, region, kept, user_stops, kwargs,
-            unconnected_zero=unconnected == tf.UnconnectedGradients.ZERO,
-            scope_prefix=f"{scope}_memsave")
+    logging.vlog(1, "memsave_grads: %d forward ops, %d checkpoints chosen, %d kept in all",
+                 len(region), len(chosen), len(kept))
+    return _Prepared(graph=graph, ys=ys, xs=xs, grad_ys=grad_ys, user_stops=user_stops,
+                     tf_kwargs=kwargs, unconnected=unconnected, scope=scope, selection=ctx,
+                     chosen=chosen, kept=kept)
 
 
 def _shortcut(strategy: str):

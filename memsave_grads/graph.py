@@ -21,6 +21,10 @@ class ForwardGraph:
       reads_source: node reads an ``x`` directly (an edge from the virtual source).
       feeds_sink: node produces a ``y`` (an edge to the virtual sink).
       names: node names, for reports and errors.
+      expensive: node is costly to recompute (matmul, convolution); empty means none is.
+      saved_for_backward: the backward pass reads the node's outputs (its own gradient or a
+        consumer's needs them), so plain ``tf.gradients`` keeps them alive from the forward
+        pass to the backward pass; empty means every node's are (the conservative default).
     """
 
     inputs: tuple[tuple[int, ...], ...]
@@ -28,11 +32,16 @@ class ForwardGraph:
     reads_source: tuple[bool, ...]
     feeds_sink: tuple[bool, ...]
     names: tuple[str, ...] = ()
+    expensive: tuple[bool, ...] = ()
+    saved_for_backward: tuple[bool, ...] = ()
 
     def __post_init__(self):
         n = len(self.inputs)
         if not (len(self.size_bytes) == len(self.reads_source) == len(self.feeds_sink) == n):
             raise ValueError("ForwardGraph fields must all have one entry per node")
+        for name in ("names", "expensive", "saved_for_backward"):
+            if getattr(self, name) and len(getattr(self, name)) != n:
+                raise ValueError(f"ForwardGraph.{name} must be empty or have one entry per node")
         for node, preds in enumerate(self.inputs):
             for p in preds:
                 if not 0 <= p < node:
@@ -41,6 +50,15 @@ class ForwardGraph:
     @property
     def num_nodes(self) -> int:
         return len(self.inputs)
+
+    def is_expensive(self, node: int) -> bool:
+        return bool(self.expensive) and self.expensive[node]
+
+    def is_saved_for_backward(self, node: int) -> bool:
+        return not self.saved_for_backward or self.saved_for_backward[node]
+
+    def name_of(self, node: int) -> str:
+        return self.names[node] if self.names else f"node{node}"
 
     def consumers(self) -> list[list[int]]:
         """For each node, the distinct nodes that read it."""
@@ -123,3 +141,27 @@ def close_segments(graph: ForwardGraph, kept: Iterable[int]) -> set[int]:
         else:
             owner[v] = owners.pop() if owners else top
     return kept
+
+
+def last_uses(graph: ForwardGraph, always_live: Iterable[int] = ()) -> list[int]:
+    """For each node, the last node (in topological order) that reads it; ``num_nodes`` for a
+    node that produces a ``y``, and ``-1`` for ``always_live`` nodes (they cost nothing to keep).
+    """
+    n = graph.num_nodes
+    last = [n if graph.feeds_sink[v] else -1 for v in range(n)]
+    for node, preds in enumerate(graph.inputs):
+        for p in preds:
+            if last[p] < node:
+                last[p] = node
+    for v in always_live:
+        last[v] = -1
+    return last
+
+
+def frontier(graph: ForwardGraph, position: int, always_live: Iterable[int] = (),
+             uses: Sequence[int] | None = None) -> list[int]:
+    """The *live frontier* after ``position``: nodes up to it that a later node (or a ``y``)
+    reads. Keeping all of them cuts the graph there: nothing after ``position`` needs anything
+    before it but these (design note "frontier cuts")."""
+    uses = last_uses(graph, always_live) if uses is None else uses
+    return [v for v in range(position + 1) if uses[v] > position]

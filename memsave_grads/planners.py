@@ -8,10 +8,14 @@ returns the nodes to keep as checkpoints. Planners never touch TensorFlow.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from typing import Iterable
 
+from absl import logging
+
 from memsave_grads import graph as graph_lib
+from memsave_grads import memory_model
 
 #: Candidates whose outputs are smaller than this fraction of the largest activation are not
 #: worth keeping: they save no memory and cost a tf.gradients call level each.
@@ -80,3 +84,151 @@ def sqrt_n_separators(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
         if best_peak is None or peak < best_peak:
             best, best_peak = chosen, peak
     return best or []
+
+
+# --------------------------------------------------------------------------------------------
+# Frontier cuts: the "memory" planner for any DAG
+# --------------------------------------------------------------------------------------------
+
+#: Cuts whose newly kept bytes are within this factor are ties; among ties the output of an
+#: expensive op (matmul, convolution) is preferred, so that cheap ops are the ones recomputed.
+EXPENSIVE_TIE_FACTOR = 0.99
+#: Plans whose predicted peak is within this factor of the best are equal in memory; among them
+#: the one that recomputes least (expensive ops weighing :data:`EXPENSIVE_RECOMPUTE_WEIGHT`) wins.
+EQUAL_PEAK_FACTOR = 1.02
+EXPENSIVE_RECOMPUTE_WEIGHT = 10
+#: Segment caps tried: a geometric grid of this many points between the largest node and the
+#: whole region, then as many again around the best one.
+CAP_GRID_POINTS = 24
+
+
+@dataclasses.dataclass(frozen=True)
+class CutPlan:
+    """What :func:`frontier_cuts` chose and why.
+
+    Attributes:
+      kept: nodes whose outputs are kept (cuts, their single-owner closure, ``must_keep``).
+      cuts: the topological positions cut at; ``kept`` holds the live frontier of each.
+      segment_cap_bytes: the cap on recomputed bytes between cuts that gave this plan.
+      predicted_peak_bytes: :func:`memory_model.plan_peak_bytes` of the plan.
+      recompute_cost: recomputed nodes, expensive ones weighing EXPENSIVE_RECOMPUTE_WEIGHT.
+    """
+
+    kept: frozenset
+    cuts: tuple
+    segment_cap_bytes: int
+    predicted_peak_bytes: int
+    recompute_cost: int
+
+
+def _greedy_cuts(graph, uses, ends_at, allowed, cap_bytes: int) -> list[int]:
+    """Chen et al.'s budget walk on the live frontier.
+
+    Walk the topological order accumulating the bytes a segment would recompute; before they
+    pass ``cap_bytes``, cut at the position (in the second half of the window, if any allows a
+    cut) whose frontier adds the fewest bytes to what the previous cut keeps; the later position
+    wins ties, an expensive op's output wins near-ties.
+    """
+    n = graph.num_nodes
+    size = graph.size_bytes
+    cuts = []
+    prev = -1
+    while True:
+        run = new = 0
+        best = best_late = None
+        p = prev + 1
+        while p < n:
+            run += size[p] if uses[p] >= 0 else 0
+            if uses[p] > p:
+                new += size[p]
+            for v in ends_at[p]:
+                if v > prev and v != p:
+                    new -= size[v]
+            if run > cap_bytes and (best is not None or best_late is not None):
+                break
+            if allowed[p]:
+                score = new * (EXPENSIVE_TIE_FACTOR if graph.is_expensive(p) else 1.0)
+                entry = (score, -p)
+                if best is None or entry <= best:
+                    best = entry
+                if 2 * run >= cap_bytes and (best_late is None or entry <= best_late):
+                    best_late = entry
+                if run > cap_bytes:
+                    break
+            p += 1
+        if p >= n:  # the rest fits under the cap: it is the top segment
+            return cuts
+        chosen = -(best_late or best)[1]
+        cuts.append(chosen)
+        prev = chosen
+
+
+def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
+                  candidates: Iterable[int], not_replayed: Iterable[int] = ()) -> CutPlan | None:
+    """The ``"memory"`` planner: cut the graph where its live frontier is small.
+
+    Any topological position cuts the graph if every tensor alive across it (its *live
+    frontier*) is kept; on a chain or a residual stream that is one tensor, across a U-Net's
+    encoder it is the current activation plus every skip connection still open. For a range of
+    caps on the bytes recomputed between cuts, :func:`_greedy_cuts` places the cuts; each plan is
+    closed for single ownership and scored with the static memory model; the plan with the
+    lowest predicted peak wins, and among plans of (nearly) equal peak the one that recomputes
+    least. Returns ``None`` when no position can be cut (every frontier holds a non-candidate,
+    or the graph has a single op). A plan that predicts no saving is still returned (the caller
+    asked for recomputation; it is logged).
+    """
+    must_keep = set(must_keep)
+    not_replayed = set(not_replayed)
+    candidate_set = set(candidates) | must_keep
+    n = graph.num_nodes
+    uses = graph_lib.last_uses(graph, must_keep)
+    ends_at: list[list[int]] = [[] for _ in range(n + 1)]
+    for v, last in enumerate(uses):
+        if last >= 0:
+            ends_at[last].append(v)
+    # A position can be cut when every node of its frontier may be kept.
+    allowed, open_bad = [], 0
+    for p in range(n):
+        if uses[p] > p and p not in candidate_set:
+            open_bad += 1
+        open_bad -= sum(1 for v in ends_at[p] if v != p and v not in candidate_set)
+        allowed.append(open_bad == 0 and uses[p] > p and p < n - 1)
+    if not any(allowed):
+        return None
+    total = sum(s for v, s in enumerate(graph.size_bytes) if uses[v] >= 0)
+    largest = max((s for v, s in enumerate(graph.size_bytes) if uses[v] >= 0), default=0)
+    if total <= 0 or largest <= 0:
+        return None
+
+    plain_peak = memory_model.plain_peak_bytes(graph)
+    plans: dict[tuple, CutPlan] = {}
+
+    def evaluate(cap_bytes: int) -> None:
+        cuts = tuple(_greedy_cuts(graph, uses, ends_at, allowed, cap_bytes))
+        if not cuts or cuts in plans:
+            return
+        kept = set(must_keep)
+        for p in cuts:
+            kept.update(graph_lib.frontier(graph, p, uses=uses))
+        kept = graph_lib.close_segments(graph, kept)
+        segs = memory_model.segments(graph, kept, not_replayed)
+        recomputed = {v for k in kept for v in segs.owned[k] if v not in kept}
+        cost = sum(EXPENSIVE_RECOMPUTE_WEIGHT if graph.is_expensive(v) else 1 for v in recomputed)
+        plans[cuts] = CutPlan(frozenset(kept), cuts, cap_bytes,
+                              memory_model.plan_peak_bytes(graph, kept, not_replayed), cost)
+
+    ratio = (total / largest) ** (1.0 / (CAP_GRID_POINTS - 1)) if total > largest else 2.0
+    for i in range(CAP_GRID_POINTS):
+        evaluate(int(largest * ratio ** i))
+    if not plans:
+        return None
+    best = min(plans.values(), key=lambda p: p.predicted_peak_bytes)
+    fine = ratio ** (2.0 / CAP_GRID_POINTS)
+    for i in range(-CAP_GRID_POINTS // 2, CAP_GRID_POINTS // 2 + 1):
+        evaluate(int(best.segment_cap_bytes * fine ** i))
+    best_peak = min(p.predicted_peak_bytes for p in plans.values())
+    if best_peak >= plain_peak:
+        logging.info("memsave_grads: no plan of %d nodes predicts a lower peak than "
+                     "tf.gradients (%d bytes); using the best one anyway", n, plain_peak)
+    equal = [p for p in plans.values() if p.predicted_peak_bytes <= EQUAL_PEAK_FACTOR * best_peak]
+    return min(equal, key=lambda p: (p.recompute_cost, p.predicted_peak_bytes))

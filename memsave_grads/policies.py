@@ -59,3 +59,35 @@ def matches_tensor(pattern: str, op_name: str, output_index: int) -> bool:
     if ":" in pattern:
         return fnmatch.fnmatchcase(f"{op_name}:{output_index}", pattern)
     return fnmatch.fnmatchcase(op_name, pattern)
+
+
+#: Op types whose gradient reads none of their (float) inputs, only shapes or the incoming
+#: gradient: an output consumed only by such ops need not stay alive for the backward pass.
+GRADIENT_IGNORES_INPUTS_OP_TYPES = frozenset({
+    "Add", "AddV2", "AddN", "Sub", "Neg", "Identity", "IdentityN", "StopGradient",
+    "PreventGradient", "Reshape", "Transpose", "ConcatV2", "Concat", "Pad", "PadV2", "MirrorPad",
+    "Mean", "Sum", "Cast", "StridedSlice", "Slice", "Split", "SplitV", "Unpack", "Pack",
+    "ExpandDims", "Squeeze", "BroadcastTo", "Tile", "BiasAdd", "AvgPool", "AvgPool3D",
+    "GatherV2", "ResourceGather", "Shape", "ZerosLike", "OnesLike",
+    # These read their own *output* (GRADIENT_READS_OUTPUT_OP_TYPES), not their input.
+    "Relu", "Tanh", "Sigmoid", "Softmax", "LogSoftmax", "Exp", "Sqrt", "Rsqrt", "Elu", "Selu",
+    "Reciprocal", "Inv",
+})
+
+#: Op types whose gradient reads their own output.
+GRADIENT_READS_OUTPUT_OP_TYPES = frozenset({
+    "Relu", "Tanh", "Sigmoid", "Softmax", "LogSoftmax", "Exp", "Sqrt", "Rsqrt", "Elu", "Selu",
+    "Reciprocal", "Inv", "MaxPool", "MaxPoolV2", "MaxPool3D",
+    # Returns the per-example gradient as a second output, which its gradient reads.
+    "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits",
+})
+
+#: Op types whose output is an alias of memory that exists anyway (a variable's buffer).
+ALIAS_OP_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "Placeholder", "Const"})
+
+
+def saved_for_backward(op_type: str, consumer_types) -> bool:
+    """Whether plain ``tf.gradients`` keeps an op's outputs alive for the backward pass: its own
+    gradient reads them, or a consumer's gradient reads its inputs (unknown types: assume so)."""
+    return (op_type in GRADIENT_READS_OUTPUT_OP_TYPES
+            or any(c not in GRADIENT_IGNORES_INPUTS_OP_TYPES for c in consumer_types))

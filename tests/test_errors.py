@@ -131,10 +131,10 @@ def test_speed_without_expensive_ops(graph):
             lambda: mg.gradients(y, x, checkpoints="speed"))
 
 
-def test_memory_without_separators(graph):
+def test_memory_without_a_useful_cut(graph):
     x = tf.constant([1.0, 2.0])
     y = tf.reduce_sum(x)  # the only forward op is the one producing y
-    _raises(graph, mg.NoCheckpointsFoundError, "no single tensor separates",
+    _raises(graph, mg.NoCheckpointsFoundError, "no cut of the 1 forward ops",
             lambda: mg.gradients(y, x, checkpoints="memory"))
 
 

@@ -1,0 +1,146 @@
+"""``explain()``: what a ``checkpoints=`` choice would keep and recompute, and the predicted peak.
+
+It runs the same selection as :func:`memsave_grads.gradients` and stops before the rewrite, so
+it adds nothing to the graph. The predicted peaks come from the static memory model
+(:mod:`memsave_grads.memory_model`): compare them with each other, and with a measurement
+(``python -m memsave_grads benchmark`` prints both), not with a byte-exact expectation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from memsave_grads import _tf_graph
+from memsave_grads import api
+from memsave_grads import memory_model
+
+_MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelReport:
+    """One backward level: kept tensors whose gradients are complete, recomputed together."""
+
+    level: int
+    kept_ops: int
+    recomputed_ops: int
+    recomputed_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """A readable account of a plan; ``str(report)`` prints it.
+
+    Attributes:
+      checkpoints: the checkpoints argument as given.
+      forward_ops: ops between xs and ys.
+      checkpoint_names: outputs the strategy chose to keep, in topological order.
+      kept_anyway: ops kept whatever the strategy (stateful ops, variable reads, intermediate xs)
+        or added so that no op is recomputed twice (design note "single owner").
+      kept_bytes: bytes of all kept outputs (variable reads count 0: they alias the variable).
+      top_segment_ops: ops above the last checkpoints, run once and not recomputed.
+      levels: the recomputed segments, grouped as the backward pass visits them.
+      predicted_peak_bytes: the static memory model's peak with this plan.
+      predicted_plain_peak_bytes: the same for plain ``tf.gradients``.
+      unknown_dimensions: whether some shape had unknown dimensions (counted as 1, so the byte
+        figures are per unit of each unknown dimension, typically per example).
+    """
+
+    checkpoints: object
+    forward_ops: int
+    checkpoint_names: tuple
+    kept_anyway: int
+    kept_bytes: int
+    top_segment_ops: int
+    levels: tuple
+    predicted_peak_bytes: int
+    predicted_plain_peak_bytes: int
+    unknown_dimensions: bool
+
+    @property
+    def predicted_saving(self) -> float:
+        """Predicted tf.gradients peak over this plan's (2.0: half the memory)."""
+        return self.predicted_plain_peak_bytes / max(1, self.predicted_peak_bytes)
+
+    def __str__(self) -> str:
+        largest = max(self.levels, key=lambda lv: lv.recomputed_bytes, default=None)
+        recomputed = sum(lv.recomputed_ops for lv in self.levels)
+        lines = [
+            f"memsave_grads plan for checkpoints={self.checkpoints!r}",
+            f"  forward ops between xs and ys: {self.forward_ops}",
+            f"  checkpoints chosen: {len(self.checkpoint_names)}"
+            + (f" ({_names(self.checkpoint_names)})" if self.checkpoint_names else ""),
+            f"  kept as well: {self.kept_anyway} ops (stateful ops, variable reads, xs, and "
+            "ops two segments would share)",
+            f"  kept activations: {_mib(self.kept_bytes)}",
+            f"  top segment (not recomputed): {self.top_segment_ops} ops",
+            f"  recomputed: {recomputed} ops in {len(self.levels)} backward levels"
+            + (f"; largest level {largest.recomputed_ops} ops, {_mib(largest.recomputed_bytes)}"
+               if largest else ""),
+            f"  predicted peak: {_mib(self.predicted_peak_bytes)} vs tf.gradients "
+            f"{_mib(self.predicted_plain_peak_bytes)} ({self.predicted_saving:.2f}x less)",
+        ]
+        if self.unknown_dimensions:
+            lines.append("  (shapes with unknown dimensions: sizes count each unknown "
+                         "dimension as 1, e.g. per example)")
+        return "\n".join(lines)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / _MIB:.1f} MiB" if nbytes >= _MIB / 10 else f"{nbytes / 1024:.1f} KiB"
+
+
+def _names(names, limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... {len(names) - limit} more" if len(names) > limit else "")
+
+
+@tf.autograph.experimental.do_not_convert
+def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
+    """What ``gradients(ys, xs, checkpoints=checkpoints)`` would keep, recompute, and peak at.
+
+    Takes the arguments of :func:`memsave_grads.gradients` (``grad_ys`` does not change the
+    plan and is not needed), raises the same errors, and adds no op to the graph.
+
+    Example::
+
+        print(memsave_grads.explain(loss, model.trainable_variables, checkpoints="memory"))
+    """
+    prepared = api._prepare(ys, xs, None, checkpoints,  # pylint: disable=protected-access
+                            tf_gradients_kwargs)
+    ctx = prepared.selection
+    model = ctx.model
+    index = {op: i for i, op in enumerate(ctx.region)}
+    kept = {index[op] for op in prepared.kept if op in index}
+    not_replayed = {i for i in kept if not _tf_graph.is_replayable(ctx.region[i])}
+    segs = memory_model.segments(model, kept, not_replayed)
+    levels = []
+    for number, group in enumerate(segs.levels(), 1):
+        nodes = [v for v in segs.recomputed(group)]
+        levels.append(LevelReport(number, len(group), len(nodes),
+                                  sum(model.size_bytes[v] for v in nodes)))
+    chosen = sorted((op for op in prepared.chosen if op in index), key=index.get)
+    unknown = any(t.shape.rank is None or None in t.shape.as_list()
+                  for op in ctx.region for t in op.outputs)
+    return PlanReport(
+        checkpoints=checkpoints,
+        forward_ops=len(ctx.region),
+        checkpoint_names=tuple(t.name for op in chosen for t in op.outputs),
+        kept_anyway=len(kept) - len(chosen),
+        kept_bytes=sum(model.size_bytes[v] for v in kept),
+        top_segment_ops=len(segs.top),
+        levels=tuple(lv for lv in levels if lv.recomputed_ops),
+        predicted_peak_bytes=memory_model.plan_peak_bytes(model, kept, not_replayed),
+        predicted_plain_peak_bytes=memory_model.plain_peak_bytes(model),
+        unknown_dimensions=unknown,
+    )
+
+
+@tf.autograph.experimental.do_not_convert
+def predicted_plain_peak_bytes(ys, xs, **tf_gradients_kwargs) -> int:
+    """The static memory model's peak for plain ``tf.gradients(ys, xs)`` (adds no op)."""
+    prepared = api._prepare(ys, xs, None, [],  # pylint: disable=protected-access
+                            tf_gradients_kwargs, select=False)
+    return memory_model.plain_peak_bytes(prepared.selection.model)
