@@ -116,13 +116,21 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
     index = {op: i for i, op in enumerate(region)}
     x_refs = {x.ref() for x in xs}
     y_ops = {y.op for y in ys}
-    inputs, reads_source, saved = [], [], []
+    inputs, reads_source, params = [], [], []
     for op in region:
         preds = sorted({index[t.op] for t in op.inputs if t.op in index})
         inputs.append(tuple(preds))
         reads_source.append(any(t.ref() in x_refs for t in op.inputs))
-        consumer_types = [c.type for t in op.outputs for c in t.consumers() if c in index]
-        saved.append(policies.saved_for_backward(op.type, consumer_types))
+        params.append(sum(tensor_bytes(t) for t in op.inputs
+                          if t.dtype != tf.resource and (t.ref() in x_refs or (
+                              t.op in index and t.op.type in policies.ALIAS_OP_TYPES))))
+    # A view (reshape, identity) costs no bytes, but "reads" its input whenever a consumer's
+    # gradient reads the view: that keeps the shared buffer alive in the memory model.
+    reads_inputs = [policies.gradient_reads_inputs(op.type) for op in region]
+    for i in reversed(range(len(region))):
+        if region[i].type in policies.VIEW_OP_TYPES:
+            reads_inputs[i] = any(reads_inputs[index[c]] for t in region[i].outputs
+                                  for c in t.consumers() if c in index)
     return graph_lib.ForwardGraph(
         inputs=tuple(inputs),
         size_bytes=tuple(0 if op.type in policies.ALIAS_OP_TYPES else op_bytes(op)
@@ -131,5 +139,8 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
         feeds_sink=tuple(op in y_ops for op in region),
         names=tuple(op.name for op in region),
         expensive=tuple(policies.is_expensive_op_type(op.type) for op in region),
-        saved_for_backward=tuple(saved),
+        grad_reads_inputs=tuple(reads_inputs),
+        grad_reads_output=tuple(policies.gradient_reads_output(op.type) for op in region),
+        param_bytes=tuple(params),
+        views=tuple(op.type in policies.VIEW_OP_TYPES for op in region),
     )

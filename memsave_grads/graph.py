@@ -8,6 +8,7 @@ property-tested without building TensorFlow graphs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterable, Sequence
 
 
@@ -22,9 +23,15 @@ class ForwardGraph:
       feeds_sink: node produces a ``y`` (an edge to the virtual sink).
       names: node names, for reports and errors.
       expensive: node is costly to recompute (matmul, convolution); empty means none is.
-      saved_for_backward: the backward pass reads the node's outputs (its own gradient or a
-        consumer's needs them), so plain ``tf.gradients`` keeps them alive from the forward
-        pass to the backward pass; empty means every node's are (the conservative default).
+      grad_reads_inputs: the node's gradient reads its inputs (matmul, convolution, mul),
+        so they stay alive until its backward step; empty means every node's does (the
+        conservative default).
+      grad_reads_output: the node's gradient reads its own output (relu, tanh, softmax);
+        empty means none does.
+      views: the node's output shares its input's buffer (reshape, identity): it allocates no
+        memory of its own unless it is kept; empty means no node is a view.
+      param_bytes: bytes of the variables (``xs``) the node reads: its backward step produces
+        gradients of that size; empty means 0.
     """
 
     inputs: tuple[tuple[int, ...], ...]
@@ -33,13 +40,17 @@ class ForwardGraph:
     feeds_sink: tuple[bool, ...]
     names: tuple[str, ...] = ()
     expensive: tuple[bool, ...] = ()
-    saved_for_backward: tuple[bool, ...] = ()
+    grad_reads_inputs: tuple[bool, ...] = ()
+    grad_reads_output: tuple[bool, ...] = ()
+    param_bytes: tuple[int, ...] = ()
+    views: tuple[bool, ...] = ()
 
     def __post_init__(self):
         n = len(self.inputs)
         if not (len(self.size_bytes) == len(self.reads_source) == len(self.feeds_sink) == n):
             raise ValueError("ForwardGraph fields must all have one entry per node")
-        for name in ("names", "expensive", "saved_for_backward"):
+        for name in ("names", "expensive", "grad_reads_inputs", "grad_reads_output",
+                     "param_bytes", "views"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise ValueError(f"ForwardGraph.{name} must be empty or have one entry per node")
         for node, preds in enumerate(self.inputs):
@@ -54,14 +65,27 @@ class ForwardGraph:
     def is_expensive(self, node: int) -> bool:
         return bool(self.expensive) and self.expensive[node]
 
-    def is_saved_for_backward(self, node: int) -> bool:
-        return not self.saved_for_backward or self.saved_for_backward[node]
+    def gradient_reads_inputs(self, node: int) -> bool:
+        return not self.grad_reads_inputs or self.grad_reads_inputs[node]
+
+    def gradient_reads_output(self, node: int) -> bool:
+        return bool(self.grad_reads_output) and self.grad_reads_output[node]
+
+    def is_view(self, node: int) -> bool:
+        return bool(self.views) and self.views[node]
+
+    def params_of(self, node: int) -> int:
+        return self.param_bytes[node] if self.param_bytes else 0
 
     def name_of(self, node: int) -> str:
         return self.names[node] if self.names else f"node{node}"
 
     def consumers(self) -> list[list[int]]:
-        """For each node, the distinct nodes that read it."""
+        """For each node, the distinct nodes that read it (computed once; do not mutate)."""
+        return self._consumer_lists
+
+    @functools.cached_property
+    def _consumer_lists(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in range(self.num_nodes)]
         for node, preds in enumerate(self.inputs):
             for p in sorted(set(preds)):
@@ -163,5 +187,19 @@ def frontier(graph: ForwardGraph, position: int, always_live: Iterable[int] = ()
     """The *live frontier* after ``position``: nodes up to it that a later node (or a ``y``)
     reads. Keeping all of them cuts the graph there: nothing after ``position`` needs anything
     before it but these (design note "frontier cuts")."""
+    return frontiers(graph, [position], always_live, uses)[0]
+
+
+def frontiers(graph: ForwardGraph, positions: Sequence[int], always_live: Iterable[int] = (),
+              uses: Sequence[int] | None = None) -> list[list[int]]:
+    """:func:`frontier` of each of the increasing ``positions``, in one sweep."""
     uses = last_uses(graph, always_live) if uses is None else uses
-    return [v for v in range(position + 1) if uses[v] > position]
+    result, live, start = [], set(), 0
+    for position in positions:
+        for v in range(start, position + 1):
+            if uses[v] > v:
+                live.add(v)
+        start = position + 1
+        live = {v for v in live if uses[v] > position}
+        result.append(sorted(live))
+    return result

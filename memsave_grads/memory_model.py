@@ -5,7 +5,8 @@ model") and returns the peak:
 
 * **forward**: nodes run in topological order; a node's outputs are freed once its last
   consumer has run, unless the backward pass needs them: with plain ``tf.gradients`` every
-  output the backward pass reads (``saved_for_backward``) stays; with a plan only kept nodes and
+  output the backward pass reads stays (an op's gradient may read its inputs or its output; see
+  ``policies``) until the last step that reads it; with a plan only kept nodes and
   the saved outputs of the top segment (which is not recomputed) stay.
 * **backward**: plain ``tf.gradients`` walks the nodes in reverse topological order; a node's
   gradient is allocated when the first partial reaches it and freed once its own backward step
@@ -106,79 +107,99 @@ def plain_peak_bytes(graph: graph_lib.ForwardGraph) -> int:
     """Predicted peak of forward + backward with plain ``tf.gradients``."""
     n = graph.num_nodes
     consumers = graph.consumers()
-    retained = [graph.is_saved_for_backward(v) or graph.feeds_sink[v] for v in range(n)]
+    release_at, retained = _backward_readers(graph, consumers, range(n))
     ledger = _Ledger()
-    _forward(graph, range(n), consumers, retained, ledger)
-    grads = set()
+    _forward(graph, range(n), consumers, retained, ledger, kept=())
+    grads: set[int] = set()
     for v in reversed(range(n)):
-        _backward_step(graph, v, grads, ledger)
-        if retained[v]:
-            ledger.free(graph.size_bytes[v])
+        _backward_step(graph, v, grads, ledger, release_at)
     return ledger.peak
 
 
 def plan_peak_bytes(graph: graph_lib.ForwardGraph, kept: Iterable[int],
-                    not_replayed: Iterable[int] = ()) -> int:
-    """Predicted peak of forward + backward when ``kept`` are the only outputs kept."""
+                    not_replayed: Iterable[int] = (), segs: Segments | None = None) -> int:
+    """Predicted peak of forward + backward when ``kept`` are the only outputs kept
+    (``segs``: their :func:`segments`, if already at hand)."""
     kept = set(kept)
-    segs = segments(graph, kept, not_replayed)
+    segs = segments(graph, kept, not_replayed) if segs is None else segs
     n = graph.num_nodes
     consumers = graph.consumers()
-    top = set(segs.top)
-    retained = [v in kept or (v in top and (graph.is_saved_for_backward(v) or graph.feeds_sink[v]))
-                for v in range(n)]
+    release_at, top_retained = _backward_readers(graph, consumers, segs.top)
+    retained = {v: v in kept or top_retained.get(v, False) for v in range(n)}
     ledger = _Ledger()
-    _forward(graph, range(n), consumers, retained, ledger)
+    _forward(graph, range(n), consumers, retained, ledger, kept)
     grads: set[int] = set()
     for v in reversed(segs.top):
-        _backward_step(graph, v, grads, ledger)
-        if retained[v]:
-            ledger.free(graph.size_bytes[v])
+        _backward_step(graph, v, grads, ledger, release_at)
     for group in segs.levels():
         for k in group:  # every reader of k is in a lower level, done by now
-            ledger.free(graph.size_bytes[k])
+            ledger.free(graph.size_bytes[k])  # kept: a view's buffer counts too
         active = [k for k in group if k in grads]
         recomputed = segs.recomputed(active)
-        members = set(recomputed)
-        saved = {v: graph.is_saved_for_backward(v) or v in active for v in recomputed}
-        _forward(graph, recomputed, consumers, saved, ledger, members=members)
+        release_at, saved = _backward_readers(graph, consumers, recomputed)
+        _forward(graph, recomputed, consumers, saved, ledger, kept=())
         for v in reversed(recomputed):
-            _backward_step(graph, v, grads, ledger)
-            if saved[v]:
-                ledger.free(graph.size_bytes[v])
+            _backward_step(graph, v, grads, ledger, release_at)
         for k in active:
-            if k not in members and k in grads:  # a never-replayed kept node
-                grads.discard(k)
-                ledger.free(graph.size_bytes[k])
+            if k in grads:  # a never-replayed kept node: its gradient goes to xs
+                _backward_step(graph, k, grads, ledger, {})
     return ledger.peak
 
 
-def _forward(graph, order, consumers, retained, ledger, members=None) -> None:
-    """Run ``order`` forward, freeing each output after its last consumer (within ``members``)
-    unless ``retained``."""
+def _backward_readers(graph, consumers, members) -> tuple[dict, dict]:
+    """Which outputs the backward pass over ``members`` reads, and after which step it may
+    free them: the last of its readers in reverse order, i.e. the lowest-numbered one."""
+    members = list(members)
+    member_set = set(members)
+    release_at: dict[int, list[int]] = collections.defaultdict(list)
+    retained = {}
+    for v in members:
+        readers = [c for c in consumers[v] if c in member_set and graph.gradient_reads_inputs(c)]
+        if graph.gradient_reads_output(v):
+            readers.append(v)
+        retained[v] = bool(readers) or graph.feeds_sink[v]
+        if readers:
+            release_at[min(readers)].append(v)
+        elif graph.feeds_sink[v]:
+            release_at[v].append(v)
+    return release_at, retained
+
+
+def _buffer_bytes(graph, v, kept) -> int:
+    """Bytes ``v`` allocates: none for a view (it shares its input's buffer) unless kept."""
+    return graph.size_bytes[v] if v in kept or not graph.is_view(v) else 0
+
+
+def _forward(graph, order, consumers, retained, ledger, kept) -> None:
+    """Run ``order`` forward, freeing each output after its last consumer in ``order`` unless
+    ``retained``."""
     order = list(order)
-    member_set = set(order) if members is None else members
+    member_set = set(order)
     pending = {v: sum(1 for c in consumers[v] if c in member_set) for v in order}
     for v in order:
-        ledger.alloc(graph.size_bytes[v])
+        ledger.alloc(_buffer_bytes(graph, v, kept))
         for p in set(graph.inputs[v]):
             if p in pending:
                 pending[p] -= 1
                 if pending[p] == 0 and not retained[p]:
-                    ledger.free(graph.size_bytes[p])
+                    ledger.free(_buffer_bytes(graph, p, kept))
         if pending[v] == 0 and not retained[v]:
+            ledger.free(_buffer_bytes(graph, v, kept))
+
+
+def _backward_step(graph, v, grads: set, ledger, release_at) -> None:
+    """Backprop through ``v``: allocate its inputs' gradients and its variables' gradients
+    (applied at once, so only a spike), free its own gradient and the outputs no later step
+    reads. Partials for kept nodes stay in ``grads`` until their level."""
+    if v in grads or graph.feeds_sink[v]:
+        for p in set(graph.inputs[v]):
+            if p not in grads and graph.size_bytes[p]:
+                grads.add(p)
+                ledger.alloc(graph.size_bytes[p])
+        ledger.alloc(graph.params_of(v))
+        ledger.free(graph.params_of(v))
+        if v in grads:
+            grads.discard(v)
             ledger.free(graph.size_bytes[v])
-
-
-def _backward_step(graph, v, grads: set, ledger) -> None:
-    """Backprop through ``v``: allocate its inputs' gradients, free its own (partials for kept
-    nodes stay in ``grads`` until their level)."""
-    if v not in grads and not graph.feeds_sink[v]:
-        return  # no gradient reaches v
-    for p in set(graph.inputs[v]):
-        if p not in grads and graph.size_bytes[p]:
-            grads.add(p)
-            ledger.alloc(graph.size_bytes[p])
-    if v in grads:
-        grads.discard(v)
-        ledger.free(graph.size_bytes[v])
+    for u in release_at.get(v, ()):
+        ledger.free(_buffer_bytes(graph, u, ()))

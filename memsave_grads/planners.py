@@ -98,8 +98,10 @@ EXPENSIVE_TIE_FACTOR = 0.99
 EQUAL_PEAK_FACTOR = 1.02
 EXPENSIVE_RECOMPUTE_WEIGHT = 10
 #: Segment caps tried: a geometric grid of this many points between the largest node and the
-#: whole region, then as many again around the best one.
+#: whole region, then half as many again around the best one.
 CAP_GRID_POINTS = 24
+#: How many of the plans ranked best by the quick estimate the memory model replays.
+SIMULATED_PLANS = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,34 +203,48 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
         return None
 
     plain_peak = memory_model.plain_peak_bytes(graph)
-    plans: dict[tuple, CutPlan] = {}
+    cumulative, running = [], 0
+    for v in range(n):
+        running += graph.size_bytes[v] if uses[v] >= 0 else 0
+        cumulative.append(running)
+    # Each cap gives a plan; a quick estimate (kept bytes + the largest gap between cuts) ranks
+    # them, and only the best few are replayed by the memory model, which is slower.
+    quick: dict[tuple, tuple] = {}
 
-    def evaluate(cap_bytes: int) -> None:
+    def propose(cap_bytes: int) -> None:
         cuts = tuple(_greedy_cuts(graph, uses, ends_at, allowed, cap_bytes))
-        if not cuts or cuts in plans:
+        if not cuts or cuts in quick:
             return
         kept = set(must_keep)
-        for p in cuts:
-            kept.update(graph_lib.frontier(graph, p, uses=uses))
+        for live in graph_lib.frontiers(graph, cuts, uses=uses):
+            kept.update(live)
         kept = graph_lib.close_segments(graph, kept)
-        segs = memory_model.segments(graph, kept, not_replayed)
-        recomputed = {v for k in kept for v in segs.owned[k] if v not in kept}
-        cost = sum(EXPENSIVE_RECOMPUTE_WEIGHT if graph.is_expensive(v) else 1 for v in recomputed)
-        plans[cuts] = CutPlan(frozenset(kept), cuts, cap_bytes,
-                              memory_model.plan_peak_bytes(graph, kept, not_replayed), cost)
+        bounds = [-1, *cuts, n - 1]
+        gap = max(cumulative[b] - (cumulative[a] if a >= 0 else 0)
+                  for a, b in zip(bounds, bounds[1:]))
+        quick[cuts] = (sum(graph.size_bytes[v] for v in kept) + gap, cap_bytes, kept)
 
     ratio = (total / largest) ** (1.0 / (CAP_GRID_POINTS - 1)) if total > largest else 2.0
     for i in range(CAP_GRID_POINTS):
-        evaluate(int(largest * ratio ** i))
-    if not plans:
+        propose(int(largest * ratio ** i))
+    if not quick:
         return None
-    best = min(plans.values(), key=lambda p: p.predicted_peak_bytes)
+    best_cap = min(quick.values(), key=lambda q: q[0])[1]
     fine = ratio ** (2.0 / CAP_GRID_POINTS)
-    for i in range(-CAP_GRID_POINTS // 2, CAP_GRID_POINTS // 2 + 1):
-        evaluate(int(best.segment_cap_bytes * fine ** i))
-    best_peak = min(p.predicted_peak_bytes for p in plans.values())
+    for i in range(-CAP_GRID_POINTS // 4, CAP_GRID_POINTS // 4 + 1):
+        propose(int(best_cap * fine ** i))
+
+    plans = []
+    for cuts, (_, cap_bytes, kept) in sorted(quick.items(), key=lambda kv: kv[1][0])[
+            :SIMULATED_PLANS]:
+        segs = memory_model.segments(graph, kept, not_replayed)
+        recomputed = {v for k in kept for v in segs.owned[k] if v not in kept}
+        cost = sum(EXPENSIVE_RECOMPUTE_WEIGHT if graph.is_expensive(v) else 1 for v in recomputed)
+        plans.append(CutPlan(frozenset(kept), cuts, cap_bytes,
+                             memory_model.plan_peak_bytes(graph, kept, not_replayed, segs), cost))
+    best_peak = min(p.predicted_peak_bytes for p in plans)
     if best_peak >= plain_peak:
         logging.info("memsave_grads: no plan of %d nodes predicts a lower peak than "
                      "tf.gradients (%d bytes); using the best one anyway", n, plain_peak)
-    equal = [p for p in plans.values() if p.predicted_peak_bytes <= EQUAL_PEAK_FACTOR * best_peak]
+    equal = [p for p in plans if p.predicted_peak_bytes <= EQUAL_PEAK_FACTOR * best_peak]
     return min(equal, key=lambda p: (p.recompute_cost, p.predicted_peak_bytes))

@@ -85,9 +85,16 @@ GRADIENT_READS_OUTPUT_OP_TYPES = frozenset({
 #: Op types whose output is an alias of memory that exists anyway (a variable's buffer).
 ALIAS_OP_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "Placeholder", "Const"})
 
+#: Op types whose output shares its input's buffer (no new memory): while the output is needed,
+#: the input's buffer is.
+VIEW_OP_TYPES = frozenset({"Identity", "Reshape", "ExpandDims", "Squeeze", "StopGradient",
+                           "PreventGradient", "Snapshot"})
 
-def saved_for_backward(op_type: str, consumer_types) -> bool:
-    """Whether plain ``tf.gradients`` keeps an op's outputs alive for the backward pass: its own
-    gradient reads them, or a consumer's gradient reads its inputs (unknown types: assume so)."""
-    return (op_type in GRADIENT_READS_OUTPUT_OP_TYPES
-            or any(c not in GRADIENT_IGNORES_INPUTS_OP_TYPES for c in consumer_types))
+
+def gradient_reads_inputs(op_type: str) -> bool:
+    """Whether an op's gradient reads its inputs (unknown types: assume it does)."""
+    return op_type not in GRADIENT_IGNORES_INPUTS_OP_TYPES
+
+
+def gradient_reads_output(op_type: str) -> bool:
+    return op_type in GRADIENT_READS_OUTPUT_OP_TYPES

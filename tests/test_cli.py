@@ -30,8 +30,8 @@ def test_demo_prints_table_and_summary():
     proc = _run(["-m", "memsave_grads", *DEMO_SMALL], drop=["TF_CPU_ALLOCATOR_USE_BFC"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert ("| method | peak MiB | vs tf.gradients | median step ms | time ratio | "
-            "max rel grad err |") in out
+    assert ("| method | peak MiB | predicted MiB | vs tf.gradients | median step ms | "
+            "time ratio | max rel grad err |") in out
     for label in ("| tf.gradients |", "| memsave_grads 'memory' |", "| memsave_grads 'speed' |"):
         assert label in out, out
     assert out.strip().splitlines()[-1].startswith("memsave_grads 'memory': ")
