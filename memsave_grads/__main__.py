@@ -7,9 +7,18 @@ Commands:
              Session, three ways: tf.gradients, memsave_grads 'memory' and 'speed'. Prints a
              markdown table of peak memory, median step time and gradient error.
              Flags: --depth --width --batch --repeats.
-  benchmark  The same measurements over several model families (residual MLPs, a tanh MLP
-             chain, a ResNet-style conv net); progress on stderr, the table on stdout and, with
-             --output FILE, in a markdown file. Flags: --repeats --models --output.
+  benchmark  The same measurements over model-scale networks: Keras 2 (tf_keras) ResNet50,
+             DenseNet121, MobileNetV2, a U-Net and a Transformer encoder stack, a deep residual
+             MLP, a tanh MLP chain and a small conv ResNet. Adds the predicted peak of the static
+             memory model. Progress on stderr, the table on stdout and, with --output FILE, in a
+             markdown file. Flags: --repeats --models --output. Needs: pip install
+             'memsave-grads[bench]'.
+  scaling    Peak memory vs depth of the residual MLP family (8..256 blocks), tf.gradients vs
+             'memory', as a table and, with --plot FILE, a PNG (needs matplotlib); then the
+             rewrite time of a 1,000-layer chain and of every --models Keras graph vs plain
+             tf.gradients graph construction. Flags: --plot --models --output.
+  explain    The plan 'memory' (or --checkpoints) makes for each --models network: checkpoints,
+             segments, predicted peak vs tf.gradients. Builds graphs only; runs nothing.
 
 Peak memory on CPU needs TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow is
 imported. Importing the package imports TensorFlow, so the command re-executes itself once with
@@ -31,7 +40,7 @@ FLAGS = flags.FLAGS
 
 #: Environment the measurements need before TensorFlow is imported (memory.CPU_BFC_ENV).
 CPU_BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
-COMMANDS = ("demo", "benchmark")
+COMMANDS = ("demo", "benchmark", "scaling", "explain")
 #: Set in the environment of the re-executed process (see _ensure_environment).
 _RESTARTED_ENV = "MEMSAVE_GRADS_CLI_RESTARTED"
 
@@ -47,7 +56,10 @@ def _define_flags() -> None:
                          "after one warm-up step.", lower_bound=1)
     flags.DEFINE_list("models", [], "benchmark: only models whose name contains one of these "
                       "(case-insensitive) substrings, e.g. 'resnet,tanh'. Default: all.")
-    flags.DEFINE_string("output", None, "benchmark: also write the table to this markdown file.")
+    flags.DEFINE_string("output", None, "benchmark, scaling: also write the tables to this "
+                        "markdown file.")
+    flags.DEFINE_string("plot", None, "scaling: write the peak-vs-depth plot to this PNG file.")
+    flags.DEFINE_string("checkpoints", "memory", "explain: the strategy to explain.")
 
 
 def _ensure_environment() -> None:
@@ -103,12 +115,7 @@ def benchmark() -> int:
     """``benchmark``: every model family; returns 1 if a model failed unexpectedly."""
     from memsave_grads import _bench  # pylint: disable=import-outside-toplevel
 
-    models = _bench.benchmark_models()
-    if FLAGS.models:
-        wanted = [w.lower() for w in FLAGS.models]
-        models = [m for m in models if any(w in m.name.lower() for w in wanted)]
-        if not models:
-            raise app.UsageError(f"--models={','.join(FLAGS.models)} matches no model.")
+    models = _selected_models(_bench.benchmark_models())
     all_results = []
     status = 0
     start = time.perf_counter()
@@ -142,6 +149,101 @@ def benchmark() -> int:
     return status
 
 
+def _selected_models(models):
+    if not FLAGS.models:
+        return models
+    def simple(text):
+        return text.lower().replace("-", "")
+    wanted = [simple(w) for w in FLAGS.models]
+    chosen = [m for m in models if any(w in simple(m.name) for w in wanted)]
+    if not chosen:
+        raise app.UsageError(f"--models={','.join(FLAGS.models)} matches no model.")
+    return chosen
+
+
+def scaling() -> int:
+    """``scaling``: peak vs depth (table + optional PNG), then rewrite-time ratios."""
+    from memsave_grads import _bench  # pylint: disable=import-outside-toplevel
+    from memsave_grads import _bench_keras  # pylint: disable=import-outside-toplevel
+    from memsave_grads import memory  # pylint: disable=import-outside-toplevel
+
+    methods = (_bench.REFERENCE, _bench.MEMORY)
+    rows, points = [], []
+    specs = _bench.scaling_models()
+    for i, spec in enumerate(specs, 1):
+        logging.info("[%d/%d] %s ...", i, len(specs), spec.description)
+        plain, ours = _bench.measure_model(spec, methods, repeats=1)
+        depth = _bench.SCALING_DEPTHS[i - 1]
+        points.append((depth, plain.peak_bytes / memory.MIB, ours.peak_bytes / memory.MIB))
+        rows.append([str(depth), _bench._number(points[-1][1]),  # pylint: disable=protected-access
+                     _bench._number(points[-1][2]),  # pylint: disable=protected-access
+                     _bench.format_peak_ratio(plain.peak_bytes, ours.peak_bytes),
+                     f"{points[-1][2] / (depth ** 0.5):.2f}"])
+    peak_table = _bench._table(  # pylint: disable=protected-access
+        ["depth", "tf.gradients peak MiB", "'memory' peak MiB", "ratio",
+         "'memory' MiB / sqrt(depth)"], "rrrrr", rows)
+    print(f"Residual MLP family, width 512, batch 128 (one activation 0.25 MiB):\n\n{peak_table}\n")
+    if FLAGS.plot:
+        _plot_scaling(points, FLAGS.plot)
+
+    build_specs = [_bench.tanh_mlp(depth=1000, width=64, batch=64)]
+    build_specs += _selected_models([build() for build in _bench_keras.KERAS_MODELS.values()])
+    rows = []
+    for i, spec in enumerate(build_specs, 1):
+        logging.info("[%d/%d] rewrite time of %s ...", i, len(build_specs), spec.name)
+        plain, ours, forward_ops = _bench.measure_build_seconds(spec)
+        rows.append([spec.name, str(forward_ops), f"{plain:.2f}", f"{ours:.2f}",
+                     f"{ours / plain:.2f}x"])
+    build_table = _bench._table(  # pylint: disable=protected-access
+        ["graph", "forward graph ops", "tf.gradients s", "'memory' s", "ratio"], "lrrrr", rows)
+    print("Graph construction time (best of 3, fresh graph each):\n\n" + build_table)
+    if FLAGS.output:
+        with open(FLAGS.output, "w", encoding="utf-8") as f:
+            f.write(f"# memsave_grads scaling\n\n{datetime.date.today().isoformat()}, "
+                    f"{_environment_line()}.\n\n{peak_table}\n\n{build_table}\n")
+    return 0
+
+
+def _plot_scaling(points, path: str) -> None:
+    try:
+        import matplotlib  # pylint: disable=import-outside-toplevel
+        matplotlib.use("Agg")
+        from matplotlib import pyplot  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        logging.warning("--plot needs matplotlib (pip install 'memsave-grads[bench]'); skipped")
+        return
+    depths = [p[0] for p in points]
+    figure, axes = pyplot.subplots(figsize=(6, 4))
+    axes.plot(depths, [p[1] for p in points], "o-", label="tf.gradients")
+    axes.plot(depths, [p[2] for p in points], "s-", label="memsave_grads 'memory'")
+    scale = points[-1][2] / points[-1][0] ** 0.5
+    axes.plot(depths, [scale * d ** 0.5 for d in depths], ":", color="gray",
+              label="c * sqrt(depth)")
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log", base=2)
+    axes.set_xlabel("residual blocks (depth)")
+    axes.set_ylabel("peak memory of one training step (MiB)")
+    axes.set_title("Residual MLP, width 512, batch 128 (CPU, BFC allocator)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    logging.info("wrote %s", path)
+
+
+def explain() -> int:
+    """``explain``: print the plan of each selected model (graphs only)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import memsave_grads  # pylint: disable=import-outside-toplevel
+    from memsave_grads import _bench  # pylint: disable=import-outside-toplevel
+
+    for spec in _selected_models(_bench.benchmark_models()):
+        with tf.Graph().as_default():
+            loss, variables = spec.build()
+            report = memsave_grads.explain(loss, variables, checkpoints=FLAGS.checkpoints)
+        print(f"## {spec.description}\n{report}\n")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """absl entry point: ``argv[1]`` is the command."""
     if len(argv) != 2 or argv[1] not in COMMANDS:
@@ -150,7 +252,8 @@ def main(argv: list[str]) -> int:
     if os.environ.pop(_RESTARTED_ENV, None):
         logging.info("re-executed with %s=true (TensorFlow had been imported without it)",
                      CPU_BFC_ENV)
-    return {"demo": demo, "benchmark": benchmark}[argv[1]]()
+    return {"demo": demo, "benchmark": benchmark, "scaling": scaling,
+            "explain": explain}[argv[1]]()
 
 
 def run() -> None:

@@ -194,13 +194,44 @@ def conv_resnet(blocks: int = 16, batch: int = 32, image: int = 32,
 
 
 def benchmark_models() -> list[ModelSpec]:
-    """The model families of ``memsave-grads benchmark``."""
+    """The models of ``memsave-grads benchmark``: Keras 2 applications and blocks (they need
+    ``tf_keras``), a deep MLP, and the small raw-op models."""
+    from memsave_grads import _bench_keras  # pylint: disable=import-outside-toplevel
     return [
-        residual_mlp(depth=32, width=1024, batch=256),
+        *(build() for build in _bench_keras.KERAS_MODELS.values()),
         residual_mlp(depth=128, width=512, batch=256),
         tanh_mlp(depth=64, width=1024, batch=256),
         conv_resnet(blocks=16, batch=32, image=32, channels=(32, 64)),
     ]
+
+
+#: Depths of the residual family whose peak memory ``memsave-grads scaling`` plots.
+SCALING_DEPTHS = (8, 16, 32, 64, 128, 256)
+
+
+def scaling_models(width: int = 512, batch: int = 128) -> list[ModelSpec]:
+    return [residual_mlp(depth=d, width=width, batch=batch) for d in SCALING_DEPTHS]
+
+
+def measure_build_seconds(spec: ModelSpec, checkpoints: str = "memory",
+                          repeats: int = 3) -> tuple[float, float, int]:
+    """Best-of-``repeats`` seconds to build plain tf.gradients and memsave_grads' gradients of
+    ``spec`` (each in a fresh graph), and the forward ops between xs and ys."""
+    def once(method):
+        graph = tf.Graph()
+        with graph.as_default():
+            loss, variables = spec.build()
+            start = time.perf_counter()
+            method(loss, variables)
+            return time.perf_counter() - start, len(graph.get_operations())
+    plain = min(once(lambda l, v: original_gradients(l, list(v)))[0] for _ in range(repeats))
+    ours = min(once(lambda l, v: api.gradients(l, list(v), checkpoints=checkpoints))[0]
+               for _ in range(repeats))
+    graph = tf.Graph()
+    with graph.as_default():
+        spec.build()
+        forward_ops = len(graph.get_operations())
+    return plain, ours, forward_ops
 
 
 # --------------------------------------------------------------------------------------------

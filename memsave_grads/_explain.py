@@ -122,8 +122,8 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
         levels.append(LevelReport(number, len(group), len(nodes),
                                   sum(model.size_bytes[v] for v in nodes)))
     chosen = sorted((op for op in prepared.chosen if op in index), key=index.get)
-    unknown = any(t.shape.rank is None or None in t.shape.as_list()
-                  for op in ctx.region for t in op.outputs)
+    unknown = any(op.outputs[0].shape.rank is None or None in op.outputs[0].shape.as_list()
+                  for i, op in enumerate(ctx.region) if model.size_bytes[i] and op.outputs)
     return PlanReport(
         checkpoints=checkpoints,
         forward_ops=len(ctx.region),
