@@ -93,52 +93,6 @@ class ForwardGraph:
         return out
 
 
-def separators(graph: ForwardGraph, always_live: Iterable[int] = ()) -> list[int]:
-    """Nodes that every path to the sinks passes through, in linear time.
-
-    Sweep the topological order keeping the number of edges that cross the cut after the
-    current node. A node is a separator exactly when every edge crossing the cut right after it
-    starts at it: any path to a sink must cross that cut, so it passes through the node; and a
-    true separator passes this test in *every* topological order (docs/design.md, note
-    "separators").
-
-    Edges out of the sources (``xs``) and out of ``always_live`` nodes (tensors kept anyway,
-    such as stateful ops' outputs) are ignored: they bypass a checkpoint without keeping
-    anything extra alive.
-    """
-    n = graph.num_nodes
-    live = set(always_live)
-    consumers = graph.consumers()
-    counted_out = [0 if v in live else len(consumers[v]) + (1 if graph.feeds_sink[v] else 0)
-                   for v in range(n)]
-    open_edges = 0
-    result = []
-    for v in range(n):
-        closed = sum(1 for p in set(graph.inputs[v]) if p not in live)
-        open_edges += counted_out[v] - closed
-        if counted_out[v] > 0 and open_edges == counted_out[v]:
-            result.append(v)
-    return result
-
-
-def segment_bytes_between(graph: ForwardGraph, kept: Sequence[int]) -> list[int]:
-    """Bytes of the non-kept nodes between consecutive kept nodes in topological order.
-
-    A coarse, linear-time stand-in for the recompute working set of each segment: exact for
-    chains, an upper bound when branches of different segments interleave.
-    """
-    kept_set = set(kept)
-    totals, running = [], 0
-    for v in range(graph.num_nodes):
-        if v in kept_set:
-            totals.append(running)
-            running = 0
-        else:
-            running += graph.size_bytes[v]
-    totals.append(running)
-    return totals
-
-
 def close_segments(graph: ForwardGraph, kept: Iterable[int]) -> set[int]:
     """``kept`` plus every node whose outputs feed more than one segment, in linear time.
 

@@ -1,9 +1,10 @@
 """A catalogue of forward graphs for parity tests.
 
 Each builder runs inside a graph (or a tf.function) and returns a :class:`Case`. Every case
-contains matmuls (so ``"speed"`` applies), adds its interior tensors to the ``"checkpoints"``
-collection (so ``"collection"`` applies) and has single-tensor separators (so ``"memory"``
-applies), so that every strategy is exercised on every shape.
+contains matmuls (so ``"speed"`` applies) and adds its interior tensors to the ``"checkpoints"``
+collection (so ``"collection"`` applies); ``"memory"`` cuts any of them (some, like
+``encoder_decoder``, have no single tensor that separates xs from ys), so that every strategy is
+exercised on every shape.
 """
 
 import dataclasses
@@ -202,8 +203,27 @@ def while_loop():
     return _collect(Case(ys=[tf.reduce_sum(d)], xs=[x, w], interior=[a, b, c]))
 
 
+def encoder_decoder():
+    """U-Net-like: every encoder level skips to its decoder level (concat), so no single
+    tensor separates xs from ys."""
+    x = _input()
+    h, skips, interior = x, [], []
+    for level in range(3):
+        h, inner = _dense_chain(h, 2, f"enc{level}", seed=130 + 10 * level)
+        skips.append(h)
+        interior += inner
+    for level in reversed(range(3)):
+        joined = tf.concat([h, skips[level]], axis=1)
+        w = _weight(f"dec{level}_join", 170 + level, shape=(2 * D, D))
+        h = tf.nn.relu(tf.matmul(joined, w))
+        h, inner = _dense_chain(h, 2, f"dec{level}", seed=180 + 10 * level)
+        interior += inner
+    return _collect(Case(ys=[tf.reduce_sum(h * h)], xs=[x], interior=interior[:-1]))
+
+
 BUILDERS: dict[str, Callable[[], Case]] = {
     f.__name__: f for f in [chain, chain_float64, residual_chain, diamond, split_unstack,
                             shared_inputs, unknown_batch, grad_ys_several_ys, unconnected_xs,
-                            unconnected_zero, embedding, batch_norm, dropout, cond, while_loop]
+                            unconnected_zero, embedding, batch_norm, dropout, cond, while_loop,
+                            encoder_decoder]
 }

@@ -98,3 +98,22 @@ def test_ratio_formatting():
     assert _bench.format_peak_ratio(100, 120) == "1.20x more"
     assert _bench.format_peak_ratio(100, 100) == "1.00x"
     assert _bench.format_time_ratio(2.0, 2.6) == "1.30x"
+
+
+def test_explain_command_prints_a_plan():
+    proc = _run(["-m", "memsave_grads", "explain", "--models", "tanh MLP"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "memsave_grads plan for checkpoints='memory'" in proc.stdout
+    assert "predicted peak:" in proc.stdout
+
+
+def test_keras_models_build_and_explain():
+    """Every Keras model of the benchmark builds in a graph and gets a plan that saves memory."""
+    pytest.importorskip("tf_keras")
+    import memsave_grads as mg  # pylint: disable=import-outside-toplevel
+    from memsave_grads import _bench_keras  # pylint: disable=import-outside-toplevel
+    for name, build in _bench_keras.KERAS_MODELS.items():
+        with tf.Graph().as_default():  # the benchmark's sizes: nothing runs, graphs only
+            loss, variables = build().build()
+            report = mg.explain(loss, variables, checkpoints="memory")
+        assert report.predicted_saving > 1.5, (name, str(report))

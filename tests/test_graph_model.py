@@ -1,9 +1,10 @@
-"""The TF-free graph model and planner, property-tested against brute force."""
+"""The TF-free graph model, planner and memory model, property-tested against brute force."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memsave_grads import graph as graph_lib
+from memsave_grads import memory_model
 from memsave_grads import planners
 
 
@@ -23,57 +24,98 @@ def region_dags(draw, max_nodes=24):
                                   reads_source=(True,) + (False,) * (n - 1), feeds_sink=feeds_sink)
 
 
-def _brute_force_separators(g):
+def _chain(n, size=1):
+    return graph_lib.ForwardGraph(inputs=((),) + tuple((i - 1,) for i in range(1, n)),
+                                  size_bytes=(size,) * n,
+                                  reads_source=(True,) + (False,) * (n - 1),
+                                  feeds_sink=(False,) * (n - 1) + (True,))
+
+
+def _reachable_without(g, start, blocked):
+    """Nodes reachable downstream of ``start`` through non-blocked nodes."""
     consumers = g.consumers()
-    result = []
-    for v in range(g.num_nodes):
-        if v == 0:
-            result.append(v)
+    seen, stack = set(), list(consumers[start])
+    while stack:
+        v = stack.pop()
+        if v in seen or v in blocked:
             continue
-        seen, stack, escapes = set(), [0], False
-        while stack and not escapes:
-            u = stack.pop()
-            if u in seen or u == v:
-                continue
-            seen.add(u)
-            escapes = g.feeds_sink[u]
-            stack.extend(consumers[u])
-        if not escapes:
-            result.append(v)
-    return result
+        seen.add(v)
+        stack.extend(consumers[v])
+    return seen
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(region_dags())
-def test_separator_sweep_matches_brute_force(g):
-    assert graph_lib.separators(g) == _brute_force_separators(g)
+def test_frontier_cuts_cut_the_graph(g):
+    """Keeping a cut's frontier separates what comes before it from what comes after it."""
+    plan = planners.frontier_cuts(g, must_keep=[], candidates=range(g.num_nodes))
+    if plan is None:
+        return
+    uses = graph_lib.last_uses(g)
+    for position, live in zip(plan.cuts, graph_lib.frontiers(g, plan.cuts, uses=uses)):
+        assert set(live) <= plan.kept
+        for v in range(position + 1):
+            if v not in plan.kept:
+                assert all(c <= position for c in _reachable_without(g, v, plan.kept)), (
+                    f"node {v} reaches past cut {position} around the kept nodes")
+    # The plan is closed: every recomputed node has one owner (design note "single owner").
+    assert graph_lib.close_segments(g, plan.kept) == plan.kept
+    assert plan.predicted_peak_bytes == memory_model.plan_peak_bytes(g, plan.kept)
 
 
-@settings(max_examples=100, deadline=None)
-@given(region_dags())
-def test_planner_returns_separators_and_never_worsens_the_estimate(g):
-    chosen = planners.sqrt_n_separators(g, must_keep=[], candidates=range(g.num_nodes))
-    assert set(chosen) <= set(graph_lib.separators(g))
-    assert planners.estimated_peak_bytes(g, chosen) <= sum(g.size_bytes)
-
-
-def test_chain_keeps_about_sqrt_n():
-    n = 100
-    g = graph_lib.ForwardGraph(inputs=((),) + tuple((i - 1,) for i in range(1, n)),
-                               size_bytes=(1,) * n, reads_source=(True,) + (False,) * (n - 1),
-                               feeds_sink=(False,) * (n - 1) + (True,))
-    chosen = planners.sqrt_n_separators(g, must_keep=[], candidates=range(n - 1))
-    assert 5 <= len(chosen) <= 20
-    assert planners.estimated_peak_bytes(g, chosen) <= 25
-
-
-def test_always_live_edges_do_not_block_separators():
-    # 0 -> 1 -> 2 -> 3, and 0 feeds every node (a weight read kept anyway).
-    g = graph_lib.ForwardGraph(inputs=((), (0,), (0, 1), (0, 2)), size_bytes=(1, 1, 1, 1),
+def test_frontier_is_what_crosses_the_cut():
+    # 0 -> 1 -> 2 -> 3 (y), and 0 -> 3: a skip connection around 1 and 2.
+    g = graph_lib.ForwardGraph(inputs=((), (0,), (1,), (0, 2)), size_bytes=(1, 1, 1, 1),
                                reads_source=(True, False, False, False),
                                feeds_sink=(False, False, False, True))
-    assert graph_lib.separators(g) == [0, 3]  # 3 produces y: every path ends there
-    assert graph_lib.separators(g, always_live=[0]) == [1, 2, 3]
+    assert graph_lib.frontiers(g, [0, 1, 2, 3]) == [[0], [0, 1], [0, 2], [3]]
+    assert graph_lib.frontier(g, 1, always_live=[0]) == [1]
+
+
+def test_chain_plan_keeps_about_sqrt_n_and_predicts_the_saving():
+    g = _chain(100)
+    plan = planners.frontier_cuts(g, must_keep=[], candidates=range(99))
+    assert 5 <= len(plan.kept) <= 20
+    assert memory_model.plain_peak_bytes(g) >= 100
+    assert plan.predicted_peak_bytes <= 30  # ~2 sqrt(100) plus gradients
+
+
+def test_u_net_without_single_separators_is_cut():
+    """An encoder-decoder whose every level has a long skip: no single node separates it."""
+    inputs = []
+
+    def node(*preds):
+        inputs.append(tuple(sorted(preds)))
+        return len(inputs) - 1
+
+    skips, h = [], None
+    for _ in range(4):
+        h = node(*(() if h is None else (h,)))
+        for _ in range(3):
+            h = node(h)
+        skips.append(h)
+    for level in reversed(range(4)):
+        h = node(h, skips[level])
+        for _ in range(3):
+            h = node(h)
+    n = len(inputs)
+    g = graph_lib.ForwardGraph(inputs=tuple(inputs), size_bytes=(10,) * n,
+                               reads_source=(True,) + (False,) * (n - 1),
+                               feeds_sink=(False,) * (n - 1) + (True,))
+    plan = planners.frontier_cuts(g, must_keep=[], candidates=range(n - 1))
+    assert plan is not None and plan.cuts
+    assert plan.predicted_peak_bytes < memory_model.plain_peak_bytes(g)
+
+
+def test_cut_prefers_an_expensive_op_output_at_equal_bytes():
+    # matmul -> relu -> matmul -> relu ...: keeping matmul outputs recomputes only relus.
+    n = 40
+    g = graph_lib.ForwardGraph(inputs=((),) + tuple((i - 1,) for i in range(1, n)),
+                               size_bytes=(1,) * n, reads_source=(True,) + (False,) * (n - 1),
+                               feeds_sink=(False,) * (n - 1) + (True,),
+                               expensive=tuple(i % 2 == 0 for i in range(n)))
+    plan = planners.frontier_cuts(g, must_keep=[], candidates=range(n - 1))
+    assert plan.kept and all(g.expensive[v] for v in plan.kept)
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,0 +1,62 @@
+"""explain(): the plan report, with nothing added to the graph."""
+
+import pytest
+import tensorflow as tf
+
+import memsave_grads as mg
+
+
+def _chain(n=64, width=32, batch=16):
+    graph = tf.Graph()
+    with graph.as_default():
+        h = tf.random.stateless_normal([batch, width], seed=[0, 0])
+        weights = []
+        for i in range(n):
+            w = tf.Variable(tf.random.stateless_normal([width, width], seed=[i, 1]) * 0.1,
+                            name=f"w{i}")
+            weights.append(w)
+            h = tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h * h)
+    return graph, loss, weights
+
+
+def test_report_adds_no_ops_and_predicts_the_chain_saving():
+    graph, loss, weights = _chain()
+    before = len(graph.get_operations())
+    report = mg.explain(loss, weights, checkpoints="memory")
+    assert len(graph.get_operations()) == before
+    assert 4 <= len(report.checkpoint_names) <= 24
+    assert report.predicted_saving > 3
+    assert report.predicted_peak_bytes < report.predicted_plain_peak_bytes
+    assert report.levels and sum(lv.recomputed_ops for lv in report.levels) > 0
+    text = str(report)
+    assert "predicted peak" in text and "checkpoints chosen" in text
+    assert not report.unknown_dimensions
+
+
+def test_report_of_an_explicit_list_matches_what_gradients_keeps():
+    graph, loss, weights = _chain(n=8)
+    with graph.as_default():
+        tanhs = [op.outputs[0] for op in graph.get_operations() if op.type == "Tanh"]
+        report = mg.explain(loss, weights, checkpoints=[tanhs[3]])
+    assert report.checkpoint_names == (tanhs[3].name,)
+
+
+def test_explain_raises_what_gradients_raises():
+    graph, loss, weights = _chain(n=4)
+    before = len(graph.get_operations())
+    with pytest.raises(mg.UnknownStrategyError, match="unknown strategy 'fastest'"):
+        mg.explain(loss, weights, checkpoints="fastest")
+    assert len(graph.get_operations()) == before
+
+
+def test_unknown_batch_is_flagged():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 16])
+        h = x
+        for i in range(12):
+            h = tf.tanh(h * float(i + 1))
+        report = mg.explain(tf.reduce_sum(h), x)
+    assert report.unknown_dimensions
+    assert "unknown dimensions" in str(report)
