@@ -195,7 +195,7 @@ def scaling() -> int:
         rows.append([spec.name, str(forward_ops), f"{plain:.2f}", f"{ours:.2f}",
                      f"{ours / plain:.2f}x"])
     build_table = _bench._table(  # pylint: disable=protected-access
-        ["graph", "forward graph ops", "tf.gradients s", "'memory' s", "ratio"], "lrrrr", rows)
+        ["graph", "ops before gradients", "tf.gradients s", "'memory' s", "ratio"], "lrrrr", rows)
     print("Graph construction time (best of 3, fresh graph each):\n\n" + build_table)
     if FLAGS.output:
         with open(FLAGS.output, "w", encoding="utf-8") as f:
