@@ -30,6 +30,12 @@ def _keras():
     return tf_keras
 
 
+def _train_classifier(model, inputs: tf.Variable, batch: int, classes: int, seed: int):
+    """Run ``model`` in training mode on ``inputs``; (softmax loss, trainable variables)."""
+    logits = model(tf.convert_to_tensor(inputs), training=True)
+    return _classification_loss(logits, batch, classes, seed), list(model.trainable_weights)
+
+
 def _classification_loss(logits: tf.Tensor, batch: int, classes: int, seed: int) -> tf.Tensor:
     labels = tf.Variable(
         tf.random.stateless_uniform([batch], seed=[seed, 2], maxval=classes, dtype=tf.int32),
@@ -47,9 +53,7 @@ def _application(name: str, constructor: str, batch: int, image: int, classes: i
         model = getattr(keras.applications, constructor)(
             weights=None, input_shape=(image, image, 3), classes=classes,
             classifier_activation=None)
-        logits = model(tf.convert_to_tensor(images), training=True)
-        return (_classification_loss(logits, batch, classes, seed),
-                list(model.trainable_weights))
+        return _train_classifier(model, images, batch, classes, seed)
 
     return _bench.ModelSpec(
         f"{name} b={batch} {image}x{image}", build,
@@ -142,9 +146,7 @@ def transformer(layers_count: int = 8, batch: int = 8, sequence: int = 256, d_mo
         model = keras.Model(inputs, outputs, name="transformer")
 
         tokens = _bench.make_input([batch, sequence, d_model], seed, "embedded_tokens")
-        logits = model(tf.convert_to_tensor(tokens), training=True)
-        return (_classification_loss(logits, batch, classes, seed),
-                list(model.trainable_weights))
+        return _train_classifier(model, tokens, batch, classes, seed)
 
     return _bench.ModelSpec(
         f"Transformer {layers_count} layers b={batch} seq={sequence}", build,

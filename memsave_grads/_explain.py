@@ -118,7 +118,7 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
     segs = memory_model.segments(model, kept, not_replayed)
     levels = []
     for number, group in enumerate(segs.levels(), 1):
-        nodes = [v for v in segs.recomputed(group)]
+        nodes = segs.recomputed(group)
         levels.append(LevelReport(number, len(group), len(nodes),
                                   sum(model.size_bytes[v] for v in nodes)))
     chosen = sorted((op for op in prepared.chosen if op in index), key=index.get)

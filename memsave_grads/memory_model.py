@@ -92,8 +92,6 @@ def segments(graph: graph_lib.ForwardGraph, kept: Iterable[int],
     top = walk(v for v in range(graph.num_nodes) if graph.feeds_sink[v] and v not in kept)
     owned = {k: ([] if k in not_replayed else walk([k])) for k in kept}
     level = {k: 1 for k in kept}
-    for p in {p for v in top for p in graph.inputs[v] if p in kept}:
-        level[p] = 1
     for k in sorted(kept, reverse=True):
         members = owned[k] or [k]
         for v in members:
