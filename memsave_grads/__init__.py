@@ -8,13 +8,17 @@ from memsave_grads.api import gradients
 from memsave_grads.api import gradients_collection
 from memsave_grads.api import gradients_memory
 from memsave_grads.api import gradients_speed
+from memsave_grads.budgets import Budget
+from memsave_grads.memory import profile_op_seconds
 from memsave_grads._explain import PlanReport
 from memsave_grads._explain import explain
 from memsave_grads.errors import CheckpointNotOnPathError
 from memsave_grads.errors import EagerExecutionError
+from memsave_grads.errors import InfeasibleBudgetError
 from memsave_grads.errors import InvalidArgumentError
 from memsave_grads.errors import InvalidTypeError
 from memsave_grads.errors import MemsaveGradsError
+from memsave_grads.errors import MissingDependencyError
 from memsave_grads.errors import NoCheckpointsFoundError
 from memsave_grads.errors import PatchStateError
 from memsave_grads.errors import SparseGradientError
@@ -29,9 +33,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "gradients", "gradients_speed", "gradients_memory", "gradients_collection",
-    "explain", "PlanReport",
+    "explain", "PlanReport", "Budget", "profile_op_seconds",
     "patch", "unpatch", "is_patched", "original_gradients",
     "MemsaveGradsError", "InvalidArgumentError", "InvalidTypeError", "UnknownStrategyError",
     "CheckpointNotOnPathError", "NoCheckpointsFoundError", "UnsupportedGraphError",
-    "SparseGradientError", "EagerExecutionError", "PatchStateError",
+    "SparseGradientError", "EagerExecutionError", "PatchStateError", "InfeasibleBudgetError",
+    "MissingDependencyError",
 ]

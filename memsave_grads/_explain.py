@@ -46,6 +46,9 @@ class PlanReport:
       predicted_plain_peak_bytes: the same for plain ``tf.gradients``.
       unknown_dimensions: whether some shape had unknown dimensions (counted as 1, so the byte
         figures are per unit of each unknown dimension, typically per example).
+      recompute_flops: floating-point operations of the recomputed ops (static shapes).
+      forward_flops: the same for the whole forward region (run once by any method).
+      budget_bytes: the budget the plan was solved for, when ``checkpoints`` is a budget.
     """
 
     checkpoints: object
@@ -58,6 +61,14 @@ class PlanReport:
     predicted_peak_bytes: int
     predicted_plain_peak_bytes: int
     unknown_dimensions: bool
+    recompute_flops: float = 0.0
+    forward_flops: float = 0.0
+    budget_bytes: int | None = None
+
+    @property
+    def recompute_fraction(self) -> float:
+        """Recomputed FLOPs over the forward pass's (0.3: 30% of a forward pass again)."""
+        return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
 
     @property
     def predicted_saving(self) -> float:
@@ -79,8 +90,11 @@ class PlanReport:
             f"  recomputed: {recomputed} ops in {len(self.levels)} backward levels"
             + (f"; largest level {largest.recomputed_ops} ops, {_mib(largest.recomputed_bytes)}"
                if largest else ""),
+            f"  recomputed FLOPs: {self.recompute_flops:.3g} ({self.recompute_fraction:.0%} of the "
+            "forward pass)",
             f"  predicted peak: {_mib(self.predicted_peak_bytes)} vs tf.gradients "
-            f"{_mib(self.predicted_plain_peak_bytes)} ({self.predicted_saving:.2f}x less)",
+            f"{_mib(self.predicted_plain_peak_bytes)} ({self.predicted_saving:.2f}x less)"
+            + (f"; budget {_mib(self.budget_bytes)}" if self.budget_bytes is not None else ""),
         ]
         if self.unknown_dimensions:
             lines.append("  (shapes with unknown dimensions: sizes count each unknown "
@@ -122,8 +136,7 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
         levels.append(LevelReport(number, len(group), len(nodes),
                                   sum(model.size_bytes[v] for v in nodes)))
     chosen = sorted((op for op in prepared.chosen if op in index), key=index.get)
-    unknown = any(op.outputs[0].shape.rank is None or None in op.outputs[0].shape.as_list()
-                  for i, op in enumerate(ctx.region) if model.size_bytes[i] and op.outputs)
+    recomputed = {v for k in kept for v in segs.owned[k] if v not in kept}
     return PlanReport(
         checkpoints=checkpoints,
         forward_ops=len(ctx.region),
@@ -134,7 +147,10 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
         levels=tuple(lv for lv in levels if lv.recomputed_ops),
         predicted_peak_bytes=memory_model.plan_peak_bytes(model, kept, not_replayed),
         predicted_plain_peak_bytes=memory_model.plain_peak_bytes(model),
-        unknown_dimensions=unknown,
+        unknown_dimensions=ctx.unknown_dimensions,
+        recompute_flops=sum(model.cost_of(v) for v in recomputed),
+        forward_flops=sum(model.cost_of(v) for v in range(model.num_nodes)),
+        budget_bytes=getattr(ctx.plan, "budget_bytes", None),
     )
 
 

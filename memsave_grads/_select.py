@@ -13,10 +13,12 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from memsave_grads import _tf_graph
+from memsave_grads import budgets
 from memsave_grads import errors
 from memsave_grads import graph as graph_lib
 from memsave_grads import planners
 from memsave_grads import policies
+from memsave_grads import solvers
 
 COLLECTION_NAME = "checkpoints"
 
@@ -31,14 +33,30 @@ class SelectionContext:
     ys: list[tf.Tensor]
     must_keep: set[tf.Operation]
     _model: graph_lib.ForwardGraph | None = None
-    #: Set by planners that make one (``"memory"``), for reports.
-    plan: planners.CutPlan | None = None
+    #: Set by planners that make one (``"memory"``, budgets), for reports.
+    plan: planners.CutPlan | budgets.BudgetPlan | None = None
 
     @property
     def model(self) -> graph_lib.ForwardGraph:
         if self._model is None:
             self._model = _tf_graph.to_forward_graph(self.region, self.xs, self.ys)
         return self._model
+
+    @property
+    def unknown_dimensions(self) -> bool:
+        """Some forward output has an unknown dimension (its size counts it as 1)."""
+        return any(op.outputs[0].shape.rank is None or None in op.outputs[0].shape.as_list()
+                   for i, op in enumerate(self.region)
+                   if self.model.size_bytes[i] and op.outputs)
+
+    def node_sets(self) -> tuple[list[int], list[int], list[int]]:
+        """(candidates, must_keep, not_replayed) as node indices of :attr:`model`."""
+        index = {op: i for i, op in enumerate(self.region)}
+        excluded = {index[op] for op in self.endpoint_ops if op in index}
+        candidates = [i for i in range(len(self.region)) if i not in excluded]
+        must_keep = [index[op] for op in self.must_keep if op in index]
+        not_replayed = [i for i in must_keep if not _tf_graph.is_replayable(self.region[i])]
+        return candidates, must_keep, not_replayed
 
     @property
     def endpoint_ops(self) -> set[tf.Operation]:
@@ -79,11 +97,7 @@ def select_speed(ctx: SelectionContext) -> set[tf.Operation]:
 def select_memory(ctx: SelectionContext) -> set[tf.Operation]:
     """Cuts where the live frontier is small, placed to minimise the predicted peak
     (planners.frontier_cuts); works through skip connections of any DAG."""
-    index = {op: i for i, op in enumerate(ctx.region)}
-    excluded = {index[op] for op in ctx.endpoint_ops if op in index}
-    candidates = [i for i in range(len(ctx.region)) if i not in excluded]
-    must_keep = [index[op] for op in ctx.must_keep if op in index]
-    not_replayed = [i for i in must_keep if not _tf_graph.is_replayable(ctx.region[i])]
+    candidates, must_keep, not_replayed = ctx.node_sets()
     plan = planners.frontier_cuts(ctx.model, must_keep, candidates, not_replayed)
     if plan is None:
         raise _no_checkpoints(
@@ -91,6 +105,29 @@ def select_memory(ctx: SelectionContext) -> set[tf.Operation]:
             "keeps only tensors that may be checkpoints (the graph is a single op, or ys are "
             "read by other forward ops)",
             "Pass checkpoints='speed', or a list of tensors to keep, or use tf.gradients.")
+    ctx.plan = plan
+    return {ctx.region[i] for i in plan.kept} - set(ctx.must_keep)
+
+
+def select_budget(ctx: SelectionContext, budget: budgets.Budget) -> set[tf.Operation]:
+    """The plan that recomputes least while its predicted peak fits ``budget`` (solvers)."""
+    from memsave_grads import memory_model  # pylint: disable=import-outside-toplevel
+    if budget.bytes is not None and ctx.unknown_dimensions:
+        raise errors.InvalidArgumentError(
+            f"checkpoints: {budget.describe()} is in bytes, but the forward graph has tensors "
+            "with unknown dimensions (such as a None batch size), so their sizes are unknown. "
+            "Give the inputs a static shape, or pass a fraction: Budget(fraction=0.5) or "
+            "'budget:50%'.")
+    model = ctx.model
+    if budget.op_seconds:
+        model = dataclasses.replace(model, flops=budgets.calibrated_costs(
+            model.names, model.flops, budget.op_seconds))
+    candidates, must_keep, not_replayed = ctx.node_sets()
+    problem = budgets.BudgetProblem(
+        graph=model, budget_bytes=budget.resolve_bytes(memory_model.plain_peak_bytes(model)),
+        must_keep=frozenset(must_keep), candidates=frozenset(candidates),
+        not_replayed=frozenset(not_replayed))
+    plan = solvers.solve(problem, budget.solver)
     ctx.plan = plan
     return {ctx.region[i] for i in plan.kept} - set(ctx.must_keep)
 
@@ -167,21 +204,27 @@ def select_explicit(ctx: SelectionContext, items: Sequence) -> set[tf.Operation]
 
 def select(ctx: SelectionContext, checkpoints) -> set[tf.Operation]:
     """Dispatch on the form of ``checkpoints``: strategy name, or a list of tensors/patterns."""
+    if isinstance(checkpoints, budgets.Budget):
+        return select_budget(ctx, checkpoints)
+    if budgets.is_budget_string(checkpoints):
+        return select_budget(ctx, budgets.Budget.parse(checkpoints))
     if isinstance(checkpoints, str):
         strategy = STRATEGIES.get(checkpoints)
         if strategy is None:
             raise errors.UnknownStrategyError(
                 f"checkpoints: unknown strategy {checkpoints!r}. Expected one of "
-                f"{sorted(STRATEGIES)}, a list of tensors, or a list of name patterns (a single "
-                "pattern must be wrapped in a list).")
+                f"{sorted(STRATEGIES)}, a budget ('budget:4GiB', 'budget:50%'), a list of "
+                "tensors, or a list of name patterns (a single pattern must be wrapped in a "
+                "list).")
         return strategy(ctx)
     if isinstance(checkpoints, tf.Tensor):
         checkpoints = [checkpoints]
     if isinstance(checkpoints, (list, tuple)):
         return select_explicit(ctx, checkpoints)
     raise errors.InvalidTypeError(
-        f"checkpoints: expected a strategy name ({', '.join(sorted(STRATEGIES))}), a list of "
-        f"tensors or a list of name patterns, got {type(checkpoints).__name__}: "
+        f"checkpoints: expected a strategy name ({', '.join(sorted(STRATEGIES))}), a "
+        f"memsave_grads.Budget, a list of tensors or a list of name patterns, got "
+        f"{type(checkpoints).__name__}: "
         f"{_describe(checkpoints)}.")
 
 

@@ -106,6 +106,77 @@ def op_bytes(op: tf.Operation) -> int:
     return sum(tensor_bytes(t) for t in op.outputs)
 
 
+def _elements(shape) -> int:
+    """Elements of a static shape; unknown dimensions count as 1 (as in :func:`tensor_bytes`)."""
+    if shape.rank is None:
+        return 1
+    count = 1
+    for dim in shape.as_list():
+        count *= dim if dim is not None else 1
+    return count
+
+
+def _dim(shape, axis: int) -> int:
+    if shape.rank is None or not -shape.rank <= axis < shape.rank:
+        return 1
+    return shape[axis] if shape[axis] is not None else 1
+
+
+def _einsum_flops(op: tf.Operation) -> float:
+    """2 x (elements of the output) x (product of the contracted dimensions)."""
+    equation = op.get_attr("equation").decode().replace(" ", "")
+    inputs_spec, _, output_spec = equation.partition("->")
+    sizes: dict[str, int] = {}
+    for spec, t in zip(inputs_spec.split(","), op.inputs):
+        letters = spec.replace("...", "")
+        if t.shape.rank is None:
+            continue
+        offset = t.shape.rank - len(letters)  # dims covered by the ellipsis come first
+        if "..." not in spec:
+            offset = 0
+        for i, letter in enumerate(letters):
+            sizes[letter] = max(sizes.get(letter, 1), _dim(t.shape, offset + i))
+    contracted = 1
+    for letter, size in sizes.items():
+        if letter not in output_spec:
+            contracted *= size
+    return 2.0 * _elements(op.outputs[0].shape) * contracted
+
+
+def op_flops(op: tf.Operation) -> float:
+    """Floating-point operations to run ``op`` once, from static shapes.
+
+    Exact for matmul, batch matmul, convolutions and einsum (multiply-adds count 2); every other
+    op counts one per element of its largest input or output (elementwise ops, reductions,
+    copies). Aliases of resident memory (variable reads, constants) cost nothing.
+    """
+    if op.type in policies.ALIAS_OP_TYPES or not op.outputs:
+        return 0.0
+    out = op.outputs[0].shape
+    try:
+        if op.type in ("MatMul", "_FusedMatMul", "SparseMatMul"):
+            transpose = op.get_attr("transpose_a")
+            return 2.0 * _elements(out) * _dim(op.inputs[0].shape, 0 if transpose else 1)
+        if op.type.startswith("BatchMatMul"):
+            adjoint = op.get_attr("adj_x")
+            return 2.0 * _elements(out) * _dim(op.inputs[0].shape, -2 if adjoint else -1)
+        if op.type in ("Conv1D", "Conv2D", "Conv3D", "_FusedConv2D", "FusedConv2DBiasActivation"):
+            kernel = op.inputs[1].shape  # [*spatial, in/groups, out]
+            return 2.0 * _elements(out) * _elements(kernel) / max(_dim(kernel, -1), 1)
+        if op.type == "DepthwiseConv2dNative":
+            kernel = op.inputs[1].shape  # [h, w, in, multiplier]
+            return 2.0 * _elements(out) * _dim(kernel, 0) * _dim(kernel, 1)
+        if op.type in ("Conv2DBackpropInput", "Conv3DBackpropInputV2"):  # transposed conv
+            kernel, grad = op.inputs[1].shape, op.inputs[2].shape  # kernel [*s, out, in]
+            return 2.0 * _elements(grad) * _elements(kernel) / max(_dim(kernel, -1), 1)
+        if op.type in ("Einsum", "XlaEinsum"):
+            return _einsum_flops(op)
+    except (ValueError, TypeError):  # an attr or shape we cannot read: fall back to elements
+        pass
+    return float(max([_elements(t.shape) for t in list(op.inputs) + list(op.outputs)
+                      if t.dtype != tf.resource] or [1]))
+
+
 def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
                      ys: Sequence[tf.Tensor]) -> graph_lib.ForwardGraph:
     """The TF-free model of ``region`` (node ``i`` is ``region[i]``).
@@ -143,4 +214,5 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
         grad_reads_output=tuple(policies.gradient_reads_output(op.type) for op in region),
         param_bytes=tuple(params),
         views=tuple(op.type in policies.VIEW_OP_TYPES for op in region),
+        flops=tuple(op_flops(op) for op in region),
     )

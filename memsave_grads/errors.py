@@ -6,6 +6,8 @@ keeps working in code written for ``tf.gradients``. Messages follow one pattern:
 what was expected, what was given, and how to fix it.
 """
 
+from __future__ import annotations
+
 
 class MemsaveGradsError(Exception):
     """Base class of every error raised by memsave_grads."""
@@ -29,6 +31,24 @@ class CheckpointNotOnPathError(InvalidArgumentError):
 
 class NoCheckpointsFoundError(InvalidArgumentError):
     """The strategy found no tensor worth keeping in this graph."""
+
+
+class InfeasibleBudgetError(InvalidArgumentError):
+    """A memory budget is below the smallest peak any plan reaches.
+
+    Attributes:
+      min_feasible_bytes: the smallest predicted peak the solver found (for an exact solver,
+        the smallest there is): a budget at least this large is feasible.
+    """
+
+    def __init__(self, message: str, min_feasible_bytes: int | None = None):
+        super().__init__(message)
+        self.min_feasible_bytes = min_feasible_bytes
+
+
+class MissingDependencyError(MemsaveGradsError, ImportError):
+    """An optional dependency (scipy for the 'milp' solver, tf-keras for Keras helpers) is
+    not installed."""
 
 
 class UnsupportedGraphError(MemsaveGradsError, NotImplementedError):

@@ -32,6 +32,8 @@ class ForwardGraph:
         memory of its own unless it is kept; empty means no node is a view.
       param_bytes: bytes of the variables (``xs``) the node reads: its backward step produces
         gradients of that size; empty means 0.
+      flops: the cost of recomputing the node (floating-point operations from static shapes,
+        or calibrated seconds; see ``costs``); empty means every node costs 1.
     """
 
     inputs: tuple[tuple[int, ...], ...]
@@ -44,13 +46,14 @@ class ForwardGraph:
     grad_reads_output: tuple[bool, ...] = ()
     param_bytes: tuple[int, ...] = ()
     views: tuple[bool, ...] = ()
+    flops: tuple[float, ...] = ()
 
     def __post_init__(self):
         n = len(self.inputs)
         if not (len(self.size_bytes) == len(self.reads_source) == len(self.feeds_sink) == n):
             raise ValueError("ForwardGraph fields must all have one entry per node")
         for name in ("names", "expensive", "grad_reads_inputs", "grad_reads_output",
-                     "param_bytes", "views"):
+                     "param_bytes", "views", "flops"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise ValueError(f"ForwardGraph.{name} must be empty or have one entry per node")
         for node, preds in enumerate(self.inputs):
@@ -76,6 +79,10 @@ class ForwardGraph:
 
     def params_of(self, node: int) -> int:
         return self.param_bytes[node] if self.param_bytes else 0
+
+    def cost_of(self, node: int) -> float:
+        """Cost of recomputing ``node`` (1 per node when no costs are known)."""
+        return self.flops[node] if self.flops else 1.0
 
     def name_of(self, node: int) -> str:
         return self.names[node] if self.names else f"node{node}"

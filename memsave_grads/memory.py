@@ -61,3 +61,26 @@ def median_seconds(step: Callable[[], object], repeats: int = 5, warmup: int = 1
 
 
 MIB = 1024 * 1024
+
+
+def profile_op_seconds(session, fetches, feed_dict=None, runs: int = 3) -> dict[str, float]:
+    """Measured seconds per op name of ``session.run(fetches)``: the median over ``runs`` traced
+    runs (after one untraced warm-up run).
+
+    Pass the result as ``memsave_grads.Budget(..., op_seconds=...)`` to plan with measured
+    recompute costs instead of FLOPs from static shapes (``budgets.calibrated_costs``). Profile
+    the plain ``tf.gradients`` training step, so every forward op appears once. Ops that graph
+    optimisation fused or renamed keep their FLOP estimate, scaled to seconds.
+    """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    session.run(fetches, feed_dict=feed_dict)
+    samples: dict[str, list[float]] = {}
+    for _ in range(runs):
+        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+        metadata = tf.compat.v1.RunMetadata()
+        session.run(fetches, feed_dict=feed_dict, options=options, run_metadata=metadata)
+        for device in metadata.step_stats.dev_stats:
+            for node in device.node_stats:
+                name = node.node_name.split(":")[0]
+                samples.setdefault(name, []).append(node.op_end_rel_micros * 1e-6)
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}

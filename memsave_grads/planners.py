@@ -8,7 +8,7 @@ returns the nodes to keep as checkpoints. Planners never touch TensorFlow.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from absl import logging
 
@@ -94,6 +94,72 @@ def _greedy_cuts(graph, uses, ends_at, allowed, cap_bytes: int) -> list[int]:
         prev = chosen
 
 
+class CutSearch:
+    """The positions where a graph can be cut, and the plan each cap on segment bytes gives.
+
+    Shared by the ``"memory"`` planner (:func:`frontier_cuts`) and the budget solvers: both
+    generate plans here and differ only in how they choose among them.
+    """
+
+    def __init__(self, graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
+                 candidates: Iterable[int]):
+        self.graph = graph
+        self.must_keep = set(must_keep)
+        candidate_set = set(candidates) | self.must_keep
+        n = graph.num_nodes
+        self.uses = graph_lib.last_uses(graph, self.must_keep)
+        self.ends_at: list[list[int]] = [[] for _ in range(n + 1)]
+        for v, last in enumerate(self.uses):
+            if last >= 0:
+                self.ends_at[last].append(v)
+        # A position can be cut when every node of its frontier may be kept.
+        self.allowed, open_bad = [], 0
+        for p in range(n):
+            if self.uses[p] > p and p not in candidate_set:
+                open_bad += 1
+            open_bad -= sum(1 for v in self.ends_at[p] if v != p and v not in candidate_set)
+            self.allowed.append(open_bad == 0 and self.uses[p] > p and p < n - 1)
+        counted = [s if self.uses[v] >= 0 else 0 for v, s in enumerate(graph.size_bytes)]
+        self.total_bytes = sum(counted)
+        self.largest_bytes = max(counted, default=0)
+        self.cumulative, running = [], 0
+        for s in counted:
+            running += s
+            self.cumulative.append(running)
+
+    @property
+    def feasible(self) -> bool:
+        """Some position can be cut, and there are bytes to save."""
+        return any(self.allowed) and self.total_bytes > 0 and self.largest_bytes > 0
+
+    def caps(self, points: int) -> list[int]:
+        """A geometric grid of segment caps from the largest node to the whole graph."""
+        ratio = self.cap_ratio(points)
+        return [int(self.largest_bytes * ratio ** i) for i in range(points)]
+
+    def cap_ratio(self, points: int) -> float:
+        if self.total_bytes <= self.largest_bytes:
+            return 2.0
+        return (self.total_bytes / self.largest_bytes) ** (1.0 / (points - 1))
+
+    def cuts_for(self, cap_bytes: int) -> tuple:
+        return tuple(_greedy_cuts(self.graph, self.uses, self.ends_at, self.allowed, cap_bytes))
+
+    def kept_for(self, cuts: Iterable[int]) -> set:
+        """The live frontiers of ``cuts`` plus ``must_keep``, closed for single ownership."""
+        kept = set(self.must_keep)
+        for live in graph_lib.frontiers(self.graph, sorted(cuts), uses=self.uses):
+            kept.update(live)
+        return graph_lib.close_segments(self.graph, kept)
+
+    def quick_bytes(self, cuts: Sequence[int], kept: Iterable[int]) -> int:
+        """A fast estimate of a plan's peak: kept bytes plus the largest gap between cuts."""
+        bounds = [-1, *cuts, self.graph.num_nodes - 1]
+        gap = max(self.cumulative[b] - (self.cumulative[a] if a >= 0 else 0)
+                  for a, b in zip(bounds, bounds[1:]))
+        return sum(self.graph.size_bytes[v] for v in kept) + gap
+
+
 def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
                   candidates: Iterable[int], not_replayed: Iterable[int] = ()) -> CutPlan | None:
     """The ``"memory"`` planner: cut the graph where its live frontier is small.
@@ -108,58 +174,29 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     or the graph has a single op). A plan that predicts no saving is still returned (the caller
     asked for recomputation; it is logged).
     """
-    must_keep = set(must_keep)
     not_replayed = set(not_replayed)
-    candidate_set = set(candidates) | must_keep
+    search = CutSearch(graph, must_keep, candidates)
+    if not search.feasible:
+        return None
     n = graph.num_nodes
-    uses = graph_lib.last_uses(graph, must_keep)
-    ends_at: list[list[int]] = [[] for _ in range(n + 1)]
-    for v, last in enumerate(uses):
-        if last >= 0:
-            ends_at[last].append(v)
-    # A position can be cut when every node of its frontier may be kept.
-    allowed, open_bad = [], 0
-    for p in range(n):
-        if uses[p] > p and p not in candidate_set:
-            open_bad += 1
-        open_bad -= sum(1 for v in ends_at[p] if v != p and v not in candidate_set)
-        allowed.append(open_bad == 0 and uses[p] > p and p < n - 1)
-    if not any(allowed):
-        return None
-    total = sum(s for v, s in enumerate(graph.size_bytes) if uses[v] >= 0)
-    largest = max((s for v, s in enumerate(graph.size_bytes) if uses[v] >= 0), default=0)
-    if total <= 0 or largest <= 0:
-        return None
-
     plain_peak = memory_model.plain_peak_bytes(graph)
-    cumulative, running = [], 0
-    for v in range(n):
-        running += graph.size_bytes[v] if uses[v] >= 0 else 0
-        cumulative.append(running)
-    # Each cap gives a plan; a quick estimate (kept bytes + the largest gap between cuts) ranks
-    # them, and only the best few are replayed by the memory model, which is slower.
+    # Each cap gives a plan; a quick estimate ranks them, and only the best few are replayed by
+    # the memory model, which is slower.
     quick: dict[tuple, tuple] = {}
 
     def propose(cap_bytes: int) -> None:
-        cuts = tuple(_greedy_cuts(graph, uses, ends_at, allowed, cap_bytes))
+        cuts = search.cuts_for(cap_bytes)
         if not cuts or cuts in quick:
             return
-        kept = set(must_keep)
-        for live in graph_lib.frontiers(graph, cuts, uses=uses):
-            kept.update(live)
-        kept = graph_lib.close_segments(graph, kept)
-        bounds = [-1, *cuts, n - 1]
-        gap = max(cumulative[b] - (cumulative[a] if a >= 0 else 0)
-                  for a, b in zip(bounds, bounds[1:]))
-        quick[cuts] = (sum(graph.size_bytes[v] for v in kept) + gap, cap_bytes, kept)
+        kept = search.kept_for(cuts)
+        quick[cuts] = (search.quick_bytes(cuts, kept), cap_bytes, kept)
 
-    ratio = (total / largest) ** (1.0 / (CAP_GRID_POINTS - 1)) if total > largest else 2.0
-    for i in range(CAP_GRID_POINTS):
-        propose(int(largest * ratio ** i))
+    for cap in search.caps(CAP_GRID_POINTS):
+        propose(cap)
     if not quick:
         return None
     best_cap = min(quick.values(), key=lambda q: q[0])[1]
-    fine = ratio ** (2.0 / CAP_GRID_POINTS)
+    fine = search.cap_ratio(CAP_GRID_POINTS) ** (2.0 / CAP_GRID_POINTS)
     for i in range(-CAP_GRID_POINTS // 4, CAP_GRID_POINTS // 4 + 1):
         propose(int(best_cap * fine ** i))
 

@@ -1,0 +1,261 @@
+"""Memory budgets: "fit in this many bytes at the least extra compute".
+
+A :class:`Budget` says how much memory the training step may use, in bytes or as a fraction of
+what plain ``tf.gradients`` is predicted to use. It is a ``checkpoints=`` argument, like a
+strategy name, and has a string form for :func:`memsave_grads.patch`:
+``"budget:4GiB"``, ``"budget:60%"``, ``"budget:0.6"``, optionally naming the solver:
+``"budget:60%:milp"``.
+
+This module is TensorFlow-free: it defines the budget, the planning problem a solver receives
+(graph model + budget in) and the plan it returns (kept nodes out), and how a plan is scored.
+Both scores come from the same static models every planner shares:
+
+* **peak**: :func:`memory_model.plan_peak_bytes`, the replay of forward + backward in bytes;
+* **recompute cost**: the sum of :meth:`ForwardGraph.cost_of` over the nodes the rewrite
+  recomputes (FLOPs from static shapes by default; seconds when calibrated from a profile with
+  :func:`calibrated_costs`). Each node is recomputed at most once (design note "single
+  owner"), so the cost is a sum over nodes, not over segments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import statistics
+from typing import Iterable, Mapping, Sequence
+
+from memsave_grads import errors
+from memsave_grads import graph as graph_lib
+from memsave_grads import memory_model
+
+#: Byte units of the string form, case-insensitive. KB/MB/GB are powers of 1000, KiB/MiB/GiB
+#: of 1024.
+BYTE_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+#: Name of the solver a budget uses unless it says otherwise (see ``solvers.SOLVERS``).
+DEFAULT_SOLVER = "greedy"
+STRING_PREFIX = "budget:"
+
+_AMOUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
+
+
+def format_bytes(nbytes: float) -> str:
+    """``1.5 GiB``, ``300 MiB``, ``12 KiB``: for messages and tables."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{int(nbytes)} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """A memory budget for one gradient computation: exactly one of ``bytes`` or ``fraction``.
+
+    Attributes:
+      bytes: the predicted peak of the training step's forward + backward pass may not exceed
+        this many bytes. Needs static shapes (a ``None`` batch dimension makes sizes unknown).
+      fraction: the predicted peak may not exceed this fraction of the predicted peak of plain
+        ``tf.gradients`` on the same graph (``0.5``: half the activation memory).
+      solver: ``"greedy"`` (fast, the default), ``"dp"`` (exact over cut positions) or
+        ``"milp"`` (exact over kept sets, small graphs, needs scipy); see ``solvers``.
+      op_seconds: optional calibration: measured seconds per op name (from
+        :func:`memsave_grads.memory.profile_op_seconds`); recompute costs then are seconds
+        instead of FLOPs from static shapes (see :func:`calibrated_costs`).
+
+    Among the plans whose predicted peak fits, the solver returns one that recomputes least.
+    A budget below the smallest predicted peak any plan reaches raises
+    :class:`~memsave_grads.errors.InfeasibleBudgetError`, which states that smallest peak.
+    """
+
+    bytes: int | None = None
+    fraction: float | None = None
+    solver: str = DEFAULT_SOLVER
+    op_seconds: Mapping[str, float] | None = dataclasses.field(default=None, compare=False,
+                                                               repr=False)
+
+    def __post_init__(self):
+        if (self.bytes is None) == (self.fraction is None):
+            raise errors.InvalidArgumentError(
+                f"Budget: expected exactly one of bytes= or fraction=, got bytes={self.bytes!r}, "
+                f"fraction={self.fraction!r}. Example: Budget(bytes=4 * 2**30) or "
+                "Budget(fraction=0.5).")
+        if self.bytes is not None:
+            if isinstance(self.bytes, bool) or not isinstance(self.bytes, (int, float)) or \
+                    not math.isfinite(self.bytes) or self.bytes <= 0:
+                raise errors.InvalidArgumentError(
+                    f"Budget.bytes: expected a positive number of bytes, got {self.bytes!r}. "
+                    "Example: Budget(bytes=4 * 2**30) for 4 GiB.")
+            object.__setattr__(self, "bytes", int(self.bytes))
+        if self.fraction is not None:
+            if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) \
+                    or not 0 < self.fraction <= 1:
+                raise errors.InvalidArgumentError(
+                    f"Budget.fraction: expected a number in (0, 1] (a share of tf.gradients' "
+                    f"predicted peak), got {self.fraction!r}. Example: Budget(fraction=0.5).")
+        from memsave_grads import solvers  # pylint: disable=import-outside-toplevel
+        if self.solver not in solvers.SOLVERS:
+            raise errors.InvalidArgumentError(
+                f"Budget.solver: unknown solver {self.solver!r}; expected one of "
+                f"{sorted(solvers.SOLVERS)}.")
+
+    @classmethod
+    def parse(cls, text: str) -> "Budget":
+        """The string form: ``"budget:<amount>[:<solver>]"``.
+
+        ``<amount>`` is bytes with a unit (``4GiB``, ``512MB``, ``1e9B``), a percentage
+        (``60%``) or a bare number in (0, 1] (a fraction).
+        """
+        body = text[len(STRING_PREFIX):] if text.startswith(STRING_PREFIX) else text
+        amount, _, solver = body.partition(":")
+        example = ("Examples: 'budget:4GiB', 'budget:512MiB', 'budget:60%', 'budget:0.6', "
+                   "'budget:60%:milp'.")
+        match = _AMOUNT.match(amount)
+        if not match:
+            raise errors.InvalidArgumentError(
+                f"checkpoints: malformed budget {text!r}: expected bytes with a unit, a "
+                f"percentage or a fraction after 'budget:'. {example}")
+        value, unit = float(match.group(1)), match.group(2).lower()
+        solver = solver.strip() or DEFAULT_SOLVER
+        if unit == "%":
+            return cls(fraction=value / 100, solver=solver)
+        if not unit:
+            if value > 1:
+                raise errors.InvalidArgumentError(
+                    f"checkpoints: budget {text!r} has no unit; a bare number is a fraction in "
+                    f"(0, 1]. Write bytes with a unit ('{match.group(1)}B', "
+                    f"'{match.group(1)}MiB') or a percentage. {example}")
+            return cls(fraction=value, solver=solver)
+        if unit not in BYTE_UNITS:
+            raise errors.InvalidArgumentError(
+                f"checkpoints: budget {text!r} has an unknown unit {match.group(2)!r}; expected "
+                f"one of {sorted(BYTE_UNITS)} (case-insensitive) or %. {example}")
+        return cls(bytes=int(value * BYTE_UNITS[unit]), solver=solver)
+
+    def describe(self) -> str:
+        amount = format_bytes(self.bytes) if self.bytes is not None else f"{self.fraction:.0%}"
+        return f"budget {amount} ({self.solver})"
+
+    def resolve_bytes(self, plain_peak_bytes: int) -> int:
+        """The budget in bytes, given plain ``tf.gradients``' predicted peak."""
+        if self.bytes is not None:
+            return self.bytes
+        return int(self.fraction * plain_peak_bytes)
+
+
+def is_budget_string(value) -> bool:
+    return isinstance(value, str) and value.startswith(STRING_PREFIX)
+
+
+# --------------------------------------------------------------------------------------------
+# The planning problem and its plans (the one contract of every solver)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetProblem:
+    """What a solver receives: the graph model, the budget, and what may or must be kept.
+
+    Attributes:
+      graph: the forward region (its ``flops`` are the recompute costs).
+      budget_bytes: the predicted peak may not exceed this.
+      must_keep: nodes kept whatever the plan (stateful ops, intermediate ``xs``).
+      candidates: nodes a plan may keep (``must_keep`` included implicitly).
+      not_replayed: kept nodes whose segment is never copied (stateful ops).
+    """
+
+    graph: graph_lib.ForwardGraph
+    budget_bytes: int
+    must_keep: frozenset = frozenset()
+    candidates: frozenset | None = None
+    not_replayed: frozenset = frozenset()
+
+    def __post_init__(self):
+        if self.candidates is None:
+            object.__setattr__(self, "candidates", frozenset(range(self.graph.num_nodes)))
+        object.__setattr__(self, "must_keep", frozenset(self.must_keep))
+        object.__setattr__(self, "candidates", frozenset(self.candidates) | self.must_keep)
+        object.__setattr__(self, "not_replayed", frozenset(self.not_replayed))
+
+    def with_budget(self, budget_bytes: int) -> "BudgetProblem":
+        return dataclasses.replace(self, budget_bytes=int(budget_bytes))
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPlan:
+    """What a solver returns.
+
+    Attributes:
+      kept: nodes whose outputs are kept (closed for single ownership; ``must_keep`` included).
+      predicted_peak_bytes: :func:`memory_model.plan_peak_bytes` of ``kept``.
+      recompute_cost: :func:`recompute_cost` of ``kept``.
+      solver: the solver's name.
+      optimal: the solver proved that no plan within the budget recomputes less (under the
+        static models); ``False`` for heuristics and for exact solvers stopped early.
+      solve_seconds: wall time of the solver.
+      budget_bytes: the budget it was solved for.
+    """
+
+    kept: frozenset
+    predicted_peak_bytes: int
+    recompute_cost: float
+    solver: str
+    optimal: bool = False
+    solve_seconds: float = 0.0
+    budget_bytes: int | None = None
+
+
+def recomputed_nodes(problem: BudgetProblem, kept: Iterable[int],
+                     segs: memory_model.Segments | None = None) -> set[int]:
+    """Nodes the rewrite recomputes when ``kept`` are kept: every segment member but the kept."""
+    kept = set(kept)
+    if segs is None:
+        segs = memory_model.segments(problem.graph, kept, problem.not_replayed)
+    return {v for k in kept for v in segs.owned[k] if v not in kept}
+
+
+def score(problem: BudgetProblem, kept: Iterable[int]) -> tuple[frozenset, int, float]:
+    """Close ``kept`` (single ownership, ``must_keep`` added) and return it with its predicted
+    peak and recompute cost."""
+    closed = graph_lib.close_segments(problem.graph, set(kept) | problem.must_keep)
+    segs = memory_model.segments(problem.graph, closed, problem.not_replayed)
+    cost = sum(problem.graph.cost_of(v) for v in recomputed_nodes(problem, closed, segs))
+    peak = memory_model.plan_peak_bytes(problem.graph, closed, problem.not_replayed, segs)
+    return frozenset(closed), peak, cost
+
+
+def infeasible(problem: BudgetProblem, smallest_peak_bytes: int, solver: str,
+               exhaustive: bool = False) -> errors.InfeasibleBudgetError:
+    """The error for a budget no plan meets, stating the smallest predicted peak reached."""
+    how = "the smallest peak any plan reaches" if exhaustive else \
+        "the smallest peak the solver found"
+    return errors.InfeasibleBudgetError(
+        f"checkpoints: the budget of {format_bytes(problem.budget_bytes)} "
+        f"({problem.budget_bytes} bytes) is below {how}: {format_bytes(smallest_peak_bytes)} "
+        f"({smallest_peak_bytes} bytes, static memory model, solver {solver!r}). Raise the budget "
+        f"to at least that, use checkpoints='memory' for the smallest peak, or reduce the batch "
+        f"size.", min_feasible_bytes=smallest_peak_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# Recompute costs calibrated from a measured profile
+# --------------------------------------------------------------------------------------------
+
+
+def calibrated_costs(names: Sequence[str], flops: Sequence[float],
+                     op_seconds: Mapping[str, float]) -> tuple[float, ...]:
+    """Recompute costs in seconds: measured where the profile has the op, else FLOPs times the
+    median seconds-per-FLOP of the measured ops (so unmeasured ops stay comparable).
+
+    Graph optimisation may fuse or rename ops in the profile; ops it does not name fall back to
+    the FLOP estimate. With no usable measurement, the FLOP estimates are returned unchanged.
+    """
+    rates = [op_seconds[name] / f for name, f in zip(names, flops)
+             if name in op_seconds and f > 0 and op_seconds[name] > 0]
+    if not rates:
+        return tuple(float(f) for f in flops)
+    seconds_per_flop = statistics.median(rates)
+    return tuple(float(op_seconds[name]) if name in op_seconds else f * seconds_per_flop
+                 for name, f in zip(names, flops))
