@@ -19,6 +19,15 @@ Commands:
              tf.gradients graph construction. Flags: --plot --models --output.
   explain    The plan 'memory' (or --checkpoints) makes for each --models network: checkpoints,
              segments, predicted peak vs tf.gradients. Builds graphs only; runs nothing.
+  budgets    One training step of each --models network under memory budgets of --fractions
+             (default 75%, 50%, 35%) of tf.gradients' predicted peak: measured peak against the
+             budget taken from tf.gradients' *measured* peak, step-time overhead, solve time.
+             Flags: --models --fractions --repeats --output.
+  tradeoff   The Pareto front of predicted peak vs recomputed FLOPs across budgets for each
+             --models network (default: ResNet50), as a table and, with --plot FILE, a PNG with
+             measured points at --fractions. Flags: --models --fractions --plot --output.
+  solvers    The greedy heuristic against the exact solvers (dp, milp) on graphs of <= 200 ops:
+             recompute cost at each budget, relative to the best plan found, and solve times.
 
 Peak memory on CPU needs TF_CPU_ALLOCATOR_USE_BFC=true in the environment before TensorFlow is
 imported. Importing the package imports TensorFlow, so the command re-executes itself once with
@@ -40,7 +49,7 @@ FLAGS = flags.FLAGS
 
 #: Environment the measurements need before TensorFlow is imported (memory.CPU_BFC_ENV).
 CPU_BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
-COMMANDS = ("demo", "benchmark", "scaling", "explain")
+COMMANDS = ("demo", "benchmark", "scaling", "explain", "budgets", "tradeoff", "solvers")
 #: Set in the environment of the re-executed process (see _ensure_environment).
 _RESTARTED_ENV = "MEMSAVE_GRADS_CLI_RESTARTED"
 
@@ -60,6 +69,8 @@ def _define_flags() -> None:
                         "markdown file.")
     flags.DEFINE_string("plot", None, "scaling: write the peak-vs-depth plot to this PNG file.")
     flags.DEFINE_string("checkpoints", "memory", "explain: the strategy to explain.")
+    flags.DEFINE_list("fractions", ["0.75", "0.5", "0.35"], "budgets, tradeoff: budgets as "
+                      "fractions of tf.gradients' predicted peak.")
 
 
 def _ensure_environment() -> None:
@@ -244,6 +255,75 @@ def explain() -> int:
     return 0
 
 
+def _write(text: str, title: str) -> None:
+    print(text)
+    if FLAGS.output:
+        with open(FLAGS.output, "w", encoding="utf-8") as f:
+            f.write(f"# {title}\n\n{datetime.date.today().isoformat()}, {_environment_line()}."
+                    f"\n\n{text}\n")
+        logging.info("wrote %s", FLAGS.output)
+
+
+def budgets() -> int:
+    """``budgets``: measured peak and overhead under budgets, per model."""
+    from memsave_grads import _bench  # pylint: disable=import-outside-toplevel
+
+    fractions = [float(f) for f in FLAGS.fractions]
+    methods = [_bench.REFERENCE] + [_bench.Method(f"budget {f:.0%}", f"budget:{f * 100:g}%")
+                                    for f in fractions]
+    all_results, status = [], 0
+    for i, spec in enumerate(_selected_models(_bench.benchmark_models()), 1):
+        logging.info("[%d] %s ...", i, spec.description)
+        try:
+            all_results.append(_bench.measure_model(spec, methods, repeats=FLAGS.repeats))
+        except Exception as e:  # pylint: disable=broad-except  # keep the other models' rows
+            logging.exception("%s failed", spec.name)
+            all_results.append(_bench.failed_results(spec, methods, e))
+            status = 1
+    _write(_bench.budget_table(all_results) + "\n\n" + _bench.BUDGET_NOTES,
+           "memsave_grads under memory budgets")
+    return status
+
+
+def tradeoff() -> int:
+    """``tradeoff``: Pareto front (predicted) with measured points, per model."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from memsave_grads import _bench  # pylint: disable=import-outside-toplevel
+    from memsave_grads import _bench_solvers  # pylint: disable=import-outside-toplevel
+    from memsave_grads import memory_model  # pylint: disable=import-outside-toplevel
+    from memsave_grads import solvers  # pylint: disable=import-outside-toplevel
+
+    models = _bench.benchmark_models()
+    models = _selected_models(models) if FLAGS.models else [
+        m for m in models if "resnet50" in m.name.lower()]
+    fractions = [float(f) for f in FLAGS.fractions]
+    sections, curves = [], []
+    for spec in models:
+        with tf.Graph().as_default():
+            problem = _bench_solvers.problem_for(*spec.build())
+        total = sum(problem.graph.cost_of(v) for v in range(problem.graph.num_nodes))
+        plain = memory_model.plain_peak_bytes(problem.graph)
+        front = solvers.tradeoff(problem.with_budget(plain), points=16)
+        methods = [_bench.REFERENCE] + [_bench.Method(f"budget {f:.0%}", f"budget:{f * 100:g}%")
+                                        for f in fractions]
+        measured = _bench.measure_model(spec, methods, repeats=FLAGS.repeats)
+        sections.append(_bench.tradeoff_table(spec.name, front, total, plain, measured))
+        curves.append((spec.name, front, total, plain, measured))
+    _write("\n\n".join(sections), "Peak memory vs recompute: the trade-off curve")
+    if FLAGS.plot:
+        _bench.plot_tradeoff(curves, FLAGS.plot)
+    return 0
+
+
+def solvers_command() -> int:
+    """``solvers``: greedy vs dp vs milp on small graphs."""
+    from memsave_grads import _bench_solvers  # pylint: disable=import-outside-toplevel
+    rows = _bench_solvers.compare()
+    _write(_bench_solvers.comparison_table(rows) + "\n\n" + _bench_solvers.NOTES,
+           "Budget solvers on small graphs")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """absl entry point: ``argv[1]`` is the command."""
     if len(argv) != 2 or argv[1] not in COMMANDS:
@@ -252,8 +332,8 @@ def main(argv: list[str]) -> int:
     if os.environ.pop(_RESTARTED_ENV, None):
         logging.info("re-executed with %s=true (TensorFlow had been imported without it)",
                      CPU_BFC_ENV)
-    return {"demo": demo, "benchmark": benchmark, "scaling": scaling,
-            "explain": explain}[argv[1]]()
+    return {"demo": demo, "benchmark": benchmark, "scaling": scaling, "explain": explain,
+            "budgets": budgets, "tradeoff": tradeoff, "solvers": solvers_command}[argv[1]]()
 
 
 def run() -> None:

@@ -506,3 +506,97 @@ def summary_line(results: Sequence[Result], method: Method) -> str | None:
             return (f"{method.label}: {amount} peak memory at "
                     f"{r.median_seconds / reference.median_seconds:.1f}x step time")
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# Budgets and the trade-off curve
+# --------------------------------------------------------------------------------------------
+
+
+def _budget_fraction(method: Method) -> float | None:
+    from memsave_grads import budgets  # pylint: disable=import-outside-toplevel
+    if method.checkpoints and budgets.is_budget_string(method.checkpoints):
+        return budgets.Budget.parse(method.checkpoints).fraction
+    return None
+
+
+def budget_table(results_per_model: Sequence[Sequence[Result]]) -> str:
+    """One row per (model, budget): measured peak against the budget, time overhead."""
+    rows = []
+    for results in results_per_model:
+        reference = results[0]
+        for result in results[1:]:
+            fraction = _budget_fraction(result.method)
+            if fraction is None:
+                continue
+            budget = fraction * reference.peak_bytes if reference.peak_bytes else None
+            if result.peak_bytes is None or budget is None:
+                rows.append([result.model, f"{fraction:.0%}", "-", "-", "-", "-",
+                             result.skipped or result.failed or "-", "-"])
+                continue
+            verdict = "yes" if result.peak_bytes <= 1.05 * budget else "**no**"
+            rows.append([
+                result.model, f"{fraction:.0%}", _number(budget / memory.MIB),
+                f"{_number(result.peak_bytes / memory.MIB)} ({result.peak_bytes / budget:.2f})",
+                verdict, format_prediction(result),
+                format_time_ratio(reference.median_seconds, result.median_seconds),
+                f"{result.build_seconds:.2f} s" if result.build_seconds else "-"])
+    header = ["model", "budget", "budget MiB (of measured tf.gradients)",
+              "measured peak MiB (x budget)", "<= budget +5%", "predicted MiB",
+              "step time vs tf.gradients", "plan + rewrite"]
+    return _table(header, ["l", "r", "r", "r", "l", "r", "r", "r"], rows)
+
+
+BUDGET_NOTES = (
+    "budget: Budget(fraction=f), i.e. f x tf.gradients' *predicted* peak is what the solver "
+    "plans for; the budget column applies f to tf.gradients' *measured* peak, which is what "
+    "the measured peak is held against (+5% allocator slack). predicted MiB: the static memory "
+    "model's peak for the plan (and its error). plan + rewrite: seconds to solve the budget and "
+    "build the gradients.")
+
+
+def tradeoff_table(name: str, front, forward_flops: float, plain_bytes: int,
+                   measured: Sequence[Result]) -> str:
+    """The predicted Pareto front, then the measured points."""
+    lines = [f"### {name}", "", "Predicted front (greedy solver):", "",
+             "| predicted peak MiB | x less than tf.gradients | recomputed FLOPs (of forward) |",
+             "|---:|---:|---:|"]
+    for plan in front:
+        lines.append(f"| {_number(plan.predicted_peak_bytes / memory.MIB)} | "
+                     f"{plain_bytes / max(plan.predicted_peak_bytes, 1):.2f}x | "
+                     f"{plan.recompute_cost / forward_flops:.0%} |")
+    lines += ["", "Measured:", "",
+              "| method | measured peak MiB | step time vs tf.gradients |", "|---|---:|---:|"]
+    reference = measured[0]
+    for result in measured:
+        peak = _number(result.peak_bytes / memory.MIB) if result.peak_bytes else "-"
+        lines.append(f"| {result.method.label} | {peak} | "
+                     f"{format_time_ratio(reference.median_seconds, result.median_seconds)} |")
+    return "\n".join(lines)
+
+
+def plot_tradeoff(curves, path: str) -> None:
+    """Per model: predicted front (peak vs recomputed FLOPs) and measured (peak vs time)."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, front, total, _, measured in curves:
+        axes[0].plot([p.predicted_peak_bytes / memory.MIB for p in front],
+                     [100 * p.recompute_cost / total for p in front], "o-", label=name)
+        reference = measured[0]
+        points = [(r.peak_bytes / memory.MIB, 100 * (r.median_seconds / reference.median_seconds - 1),
+                   r.method.label) for r in measured if r.peak_bytes and r.median_seconds]
+        axes[1].plot([p[0] for p in points], [p[1] for p in points], "s--", label=name)
+        for x, y, label in points:
+            axes[1].annotate(label.replace("memsave_grads ", ""), (x, y), fontsize=7)
+    axes[0].set(xlabel="predicted peak (MiB)", ylabel="recomputed FLOPs (% of forward)",
+                title="Predicted Pareto front")
+    axes[1].set(xlabel="measured peak (MiB)", ylabel="step-time overhead (%)",
+                title="Measured (one SGD step, CPU)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    logging.info("wrote %s", path)

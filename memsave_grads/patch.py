@@ -19,6 +19,7 @@ from absl import logging
 from memsave_grads import _select
 from memsave_grads import _tf_graph
 from memsave_grads import api
+from memsave_grads import budgets
 from memsave_grads import errors
 
 _FALLBACKS = ("warn", "error")
@@ -136,10 +137,13 @@ def patch(checkpoints="memory", fallback: str = "warn") -> _Patch:
     if fallback not in _FALLBACKS:
         raise errors.InvalidArgumentError(
             f"fallback: expected one of {list(_FALLBACKS)}, got {fallback!r}.")
-    if isinstance(checkpoints, str) and checkpoints not in _select.STRATEGIES:
+    if budgets.is_budget_string(checkpoints):
+        budgets.Budget.parse(checkpoints)  # a malformed budget fails now, not at first use
+    elif isinstance(checkpoints, str) and checkpoints not in _select.STRATEGIES:
         raise errors.UnknownStrategyError(
             f"checkpoints: unknown strategy {checkpoints!r}. Expected one of "
-            f"{sorted(_select.STRATEGIES)}, a list of tensors, or a list of name patterns.")
+            f"{sorted(_select.STRATEGIES)}, a budget ('budget:4GiB', 'budget:50%'), a list of "
+            "tensors, or a list of name patterns.")
     with _lock:
         if _active is not None:
             raise errors.PatchStateError(

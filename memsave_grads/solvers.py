@@ -26,6 +26,7 @@ tensors, so the smallest feasible budget is the ``"memory"`` plan's peak.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Callable
@@ -132,9 +133,11 @@ def solve_greedy(problem: budgets.BudgetProblem) -> budgets.BudgetPlan:
             # Fewer trailing cuts: a larger top segment, less recomputed, more memory.
             _last_true(0, len(cuts) - 1,
                        lambda drop, cuts=cuts: scorer.fits(search.kept_for(cuts[:len(cuts) - drop])))
-    fitting = sorted((r for r in scorer.cache.values() if r[1] <= problem.budget_bytes),
-                     key=lambda r: (r[2], r[1]))
-    for kept, _, _ in fitting[:GREEDY_FILL_PLANS]:
+    fitting = [r for r in scorer.cache.values() if r[1] <= problem.budget_bytes]
+    # Fill the cheapest plans and the ones with the most budget left (fewest bytes kept).
+    bases = sorted(fitting, key=lambda r: (r[2], r[1]))[:GREEDY_FILL_PLANS]
+    bases += sorted(fitting, key=lambda r: (r[1], r[2]))[:GREEDY_FILL_PLANS]
+    for kept in dict.fromkeys(r[0] for r in bases):
         _fill(problem, scorer, kept)
     return scorer.plan("greedy", started)
 
@@ -199,27 +202,40 @@ def _dp_cuts(problem: budgets.BudgetProblem, search: planners.CutSearch, positio
         a = positions[a_index] if a_index >= 0 else -1
         return retained_sum[n] - retained_sum[a + 1] + transient
 
-    # labels[i]: Pareto front of (kept bytes so far, cost so far, parent label) at position i.
+    # labels[i]: Pareto front of (kept bytes so far, cost so far, parent) at position i; each
+    # position's labels are final before it extends the segments that start there.
     start = [(0, 0.0, None)]
-    labels: list[list] = []
-    for b_index in range(len(positions)):
-        candidates = []
-        for a_index in range(-1, b_index):
-            at_a = start if a_index < 0 else labels[a_index]
-            if not at_a:
-                continue
-            new_bytes, seg_cost, local = segment(a_index, b_index)
-            for label in at_a:
-                if label[0] + must_bytes + local <= budget_bytes:
-                    candidates.append((label[0] + new_bytes, label[1] + seg_cost,
-                                       (a_index, label)))
+    pending: list[list] = [[] for _ in positions]
+
+    def pareto(candidates):
         candidates.sort(key=lambda c: (c[0], c[1]))
         front, best_cost = [], math.inf
         for c in candidates:  # keep the labels no other beats in both bytes and cost
             if c[1] < best_cost:
                 front.append(c)
                 best_cost = c[1]
-        labels.append(front)
+        return front
+
+    for a_index in range(-1, len(positions)):
+        if a_index >= 0:
+            pending[a_index] = pareto(pending[a_index])
+        at_a = start if a_index < 0 else pending[a_index]
+        if not at_a:
+            continue
+        lightest = at_a[0][0]
+        a = positions[a_index] if a_index >= 0 else -1
+        for b_index in range(a_index + 1, len(positions)):
+            b = positions[b_index]
+            # local >= the retained bytes of (a, b] + transient, which only grow with b.
+            if lightest + must_bytes + retained_sum[b + 1] - retained_sum[a + 1] + \
+                    transient > budget_bytes:
+                break
+            new_bytes, seg_cost, local = segment(a_index, b_index)
+            for label in at_a:
+                if label[0] + must_bytes + local <= budget_bytes:
+                    pending[b_index].append((label[0] + new_bytes, label[1] + seg_cost,
+                                             (a_index, label)))
+    labels = pending
     best = None
     for a_index in range(-1, len(positions)):
         for label in (start if a_index < 0 else labels[a_index]):
@@ -411,14 +427,22 @@ def solve_milp(problem: budgets.BudgetProblem,
                                               - (peak - problem.budget_bytes))
         logging.vlog(1, "memsave_grads: milp round %d: replay peak %d over the budget",
                      round_index, peak)
+    if scorer.best is None and not proven:
+        # Out of rounds or time without a plan the replay accepts: the heuristic's plan, which
+        # is not claimed optimal (or its error, with the smallest peak it found).
+        logging.warning("memsave_grads: milp found no plan within %d bytes the replay accepts; "
+                        "using the greedy plan", problem.budget_bytes)
+        plan = solve_greedy(problem)
+        return dataclasses.replace(plan, solver="milp (greedy fallback)", optimal=False,
+                                   solve_seconds=time.perf_counter() - started)
     if scorer.best is None:
         search = planners.CutSearch(graph, problem.must_keep, problem.candidates)
         if search.feasible:  # for the error: the smallest peak the cut planner reaches
             plan = planners.frontier_cuts(graph, problem.must_keep, problem.candidates,
                                           problem.not_replayed)
             scorer(plan.kept)
-        raise budgets.infeasible(problem, int(scorer.smallest_peak), "milp",
-                                 exhaustive=proven and scorer.best is None)
+        if scorer.best is None:
+            raise budgets.infeasible(problem, int(scorer.smallest_peak), "milp", exhaustive=True)
     return scorer.plan("milp", started, optimal=proven)
 
 
