@@ -54,7 +54,7 @@ MILP_MAX_ROUNDS = 60
 #: Rejected solutions the MILP excludes one by one (which keeps its optimality proof) before it
 #: starts lowering its linear budget by the replay's overshoot instead.
 MILP_EXCLUDE_ROUNDS = 8
-MILP_TIME_LIMIT_SECONDS = 120.0
+MILP_TIME_LIMIT_SECONDS = 30.0
 
 
 class _Scorer:
