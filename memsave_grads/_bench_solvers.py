@@ -175,7 +175,8 @@ def comparison_table(rows: Sequence[Row], solver_names: Sequence[str] = SOLVER_N
 
 
 NOTES = """cost: recomputed FLOPs of the plan (static shapes), and its ratio to the cheapest plan any
-solver found for that budget; "opt": the solver proved its plan optimal under the static models.
+solver found for that budget; "opt": the solver proved its plan optimal within its own search
+space (dp: plans made of cuts, under its decomposed peak), not over all plans.
 budget: a fraction of tf.gradients' predicted peak. greedy is the default solver; dp plans
 cuts exactly under a decomposed peak (then checked by the replay); milp searches kept sets with
 a lower bound of the replay's peak, excluding or repairing plans the replay rejects (design note

@@ -136,7 +136,7 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
         levels.append(LevelReport(number, len(group), len(nodes),
                                   sum(model.size_bytes[v] for v in nodes)))
     chosen = sorted((op for op in prepared.chosen if op in index), key=index.get)
-    recomputed = {v for k in kept for v in segs.owned[k] if v not in kept}
+    recomputed = segs.replayed()
     return PlanReport(
         checkpoints=checkpoints,
         forward_ops=len(ctx.region),

@@ -16,6 +16,7 @@ from memsave_grads import _tf_graph
 from memsave_grads import budgets
 from memsave_grads import errors
 from memsave_grads import graph as graph_lib
+from memsave_grads import memory_model
 from memsave_grads import planners
 from memsave_grads import policies
 from memsave_grads import solvers
@@ -111,7 +112,6 @@ def select_memory(ctx: SelectionContext) -> set[tf.Operation]:
 
 def select_budget(ctx: SelectionContext, budget: budgets.Budget) -> set[tf.Operation]:
     """The plan that recomputes least while its predicted peak fits ``budget`` (solvers)."""
-    from memsave_grads import memory_model  # pylint: disable=import-outside-toplevel
     if budget.bytes is not None and ctx.unknown_dimensions:
         raise errors.InvalidArgumentError(
             f"checkpoints: {budget.describe()} is in bytes, but the forward graph has tensors "

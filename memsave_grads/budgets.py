@@ -192,8 +192,11 @@ class BudgetPlan:
       predicted_peak_bytes: :func:`memory_model.plan_peak_bytes` of ``kept``.
       recompute_cost: :func:`recompute_cost` of ``kept``.
       solver: the solver's name.
-      optimal: the solver proved that no plan within the budget recomputes less (under the
-        static models); ``False`` for heuristics and for exact solvers stopped early.
+      optimal: the solver proved that no plan *of its search space* within the budget
+        recomputes less: for ``"dp"``, plans made of cuts, under its decomposed peak; for
+        ``"milp"``, any kept set, under the replay (its lower-bound rows
+        below the top segment hold on chains of segments). ``False`` for the heuristic and for exact
+        solvers that stopped early or had to repair their answer.
       solve_seconds: wall time of the solver.
       budget_bytes: the budget it was solved for.
     """
@@ -210,10 +213,9 @@ class BudgetPlan:
 def recomputed_nodes(problem: BudgetProblem, kept: Iterable[int],
                      segs: memory_model.Segments | None = None) -> set[int]:
     """Nodes the rewrite recomputes when ``kept`` are kept: every segment member but the kept."""
-    kept = set(kept)
     if segs is None:
         segs = memory_model.segments(problem.graph, kept, problem.not_replayed)
-    return {v for k in kept for v in segs.owned[k] if v not in kept}
+    return segs.replayed()
 
 
 def score(problem: BudgetProblem, kept: Iterable[int]) -> tuple[frozenset, int, float]:
@@ -226,14 +228,13 @@ def score(problem: BudgetProblem, kept: Iterable[int]) -> tuple[frozenset, int, 
     return frozenset(closed), peak, cost
 
 
-def infeasible(problem: BudgetProblem, smallest_peak_bytes: int, solver: str,
-               exhaustive: bool = False) -> errors.InfeasibleBudgetError:
+def infeasible(problem: BudgetProblem, smallest_peak_bytes: int,
+               solver: str) -> errors.InfeasibleBudgetError:
     """The error for a budget no plan meets, stating the smallest predicted peak reached."""
-    how = "the smallest peak any plan reaches" if exhaustive else \
-        "the smallest peak the solver found"
     return errors.InfeasibleBudgetError(
         f"checkpoints: the budget of {format_bytes(problem.budget_bytes)} "
-        f"({problem.budget_bytes} bytes) is below {how}: {format_bytes(smallest_peak_bytes)} "
+        f"({problem.budget_bytes} bytes) is below the smallest peak the solver found: "
+        f"{format_bytes(smallest_peak_bytes)} "
         f"({smallest_peak_bytes} bytes, static memory model, solver {solver!r}). Raise the budget "
         f"to at least that, use checkpoints='memory' for the smallest peak, or reduce the batch "
         f"size.", min_feasible_bytes=smallest_peak_bytes)

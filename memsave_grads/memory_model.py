@@ -72,6 +72,10 @@ class Segments:
     def recomputed(self, group: Iterable[int]) -> list[int]:
         return sorted({v for k in group for v in self.owned[k]})
 
+    def replayed(self) -> set[int]:
+        """Every node the rewrite recomputes: segment members that are not kept themselves."""
+        return {v for members in self.owned.values() for v in members if v not in self.owned}
+
 
 def segments(graph: graph_lib.ForwardGraph, kept: Iterable[int],
              not_replayed: Iterable[int] = ()) -> Segments:

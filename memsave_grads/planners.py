@@ -204,8 +204,8 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     for cuts, (_, cap_bytes, kept) in sorted(quick.items(), key=lambda kv: kv[1][0])[
             :SIMULATED_PLANS]:
         segs = memory_model.segments(graph, kept, not_replayed)
-        recomputed = {v for k in kept for v in segs.owned[k] if v not in kept}
-        cost = sum(EXPENSIVE_RECOMPUTE_WEIGHT if graph.is_expensive(v) else 1 for v in recomputed)
+        cost = sum(EXPENSIVE_RECOMPUTE_WEIGHT if graph.is_expensive(v) else 1
+                   for v in segs.replayed())
         plans.append(CutPlan(frozenset(kept), cuts, cap_bytes,
                              memory_model.plan_peak_bytes(graph, kept, not_replayed, segs), cost))
     best_peak = min(p.predicted_peak_bytes for p in plans)

@@ -36,6 +36,7 @@ from absl import logging
 from memsave_grads import budgets
 from memsave_grads import errors
 from memsave_grads import graph as graph_lib
+from memsave_grads import memory_model
 from memsave_grads import planners
 
 #: Segment caps the greedy solver tries (a geometric grid, as for ``"memory"``).
@@ -82,6 +83,13 @@ class _Scorer:
         return self(kept)[1] <= self.problem.budget_bytes
 
     def plan(self, solver: str, started: float, optimal: bool = False) -> budgets.BudgetPlan:
+        if self.best is None:
+            # For the error: the smallest peak known, at least that of the "memory" plan.
+            problem = self.problem
+            lowest = planners.frontier_cuts(problem.graph, problem.must_keep, problem.candidates,
+                                            problem.not_replayed)
+            if lowest is not None:
+                self(lowest.kept)
         if self.best is None:
             raise budgets.infeasible(self.problem, int(self.smallest_peak), solver)
         kept, peak, cost = self.best
@@ -235,10 +243,9 @@ def _dp_cuts(problem: budgets.BudgetProblem, search: planners.CutSearch, positio
                 if label[0] + must_bytes + local <= budget_bytes:
                     pending[b_index].append((label[0] + new_bytes, label[1] + seg_cost,
                                              (a_index, label)))
-    labels = pending
     best = None
     for a_index in range(-1, len(positions)):
-        for label in (start if a_index < 0 else labels[a_index]):
+        for label in (start if a_index < 0 else pending[a_index]):
             if label[0] + must_bytes + top(a_index) <= budget_bytes:
                 if best is None or label[1] < best[1][1]:
                     best = (a_index, label)
@@ -274,9 +281,6 @@ def solve_dp(problem: budgets.BudgetProblem) -> budgets.BudgetPlan:
             proven = exact and budget_bytes == problem.budget_bytes
             break
         budget_bytes -= peak - problem.budget_bytes  # the replay disagrees: ask for less
-    if scorer.best is None and search.feasible:  # for the error: the smallest peak there is
-        scorer(search.kept_for(planners.frontier_cuts(
-            problem.graph, problem.must_keep, problem.candidates, problem.not_replayed).cuts))
     return scorer.plan("dp", started, optimal=proven)
 
 
@@ -405,8 +409,8 @@ def solve_milp(problem: budgets.BudgetProblem,
                                bounds=optimize.Bounds(lo_bounds, hi_bounds),
                                options={"time_limit": remaining, "mip_rel_gap": 1e-9})
         if result.x is None:
-            # Infeasible: with the true budget and only no-good cuts, no kept set fits.
-            proven = result.status == 2 and linear_budget == problem.budget_bytes
+            # No kept set meets the lower bounds. Their below-the-top rows hold on chains of
+            # segments only, so this proves nothing in general: the greedy fallback decides.
             break
         kept = {v for v in range(graph.num_nodes) if result.x[v] > 0.5}
         _, peak, _ = scorer(kept)
@@ -423,11 +427,10 @@ def solve_milp(problem: budgets.BudgetProblem,
         else:
             # The lower bound keeps missing part of the replay's peak: ask for that much less.
             linear_budget -= peak - problem.budget_bytes
-            upper[-memory_rows:] = np.minimum(upper[-memory_rows:], upper[-memory_rows:]
-                                              - (peak - problem.budget_bytes))
+            upper[-memory_rows:] -= peak - problem.budget_bytes
         logging.vlog(1, "memsave_grads: milp round %d: replay peak %d over the budget",
                      round_index, peak)
-    if scorer.best is None and not proven:
+    if scorer.best is None:
         # Out of rounds or time without a plan the replay accepts: the heuristic's plan, which
         # is not claimed optimal (or its error, with the smallest peak it found).
         logging.warning("memsave_grads: milp found no plan within %d bytes the replay accepts; "
@@ -435,14 +438,6 @@ def solve_milp(problem: budgets.BudgetProblem,
         plan = solve_greedy(problem)
         return dataclasses.replace(plan, solver="milp (greedy fallback)", optimal=False,
                                    solve_seconds=time.perf_counter() - started)
-    if scorer.best is None:
-        search = planners.CutSearch(graph, problem.must_keep, problem.candidates)
-        if search.feasible:  # for the error: the smallest peak the cut planner reaches
-            plan = planners.frontier_cuts(graph, problem.must_keep, problem.candidates,
-                                          problem.not_replayed)
-            scorer(plan.kept)
-        if scorer.best is None:
-            raise budgets.infeasible(problem, int(scorer.smallest_peak), "milp", exhaustive=True)
     return scorer.plan("milp", started, optimal=proven)
 
 
@@ -465,7 +460,6 @@ def tradeoff(problem: budgets.BudgetProblem, points: int = 12,
              solver: str = budgets.DEFAULT_SOLVER) -> list[budgets.BudgetPlan]:
     """The Pareto front of predicted peak vs recompute cost: plans for ``points`` budgets from
     the smallest feasible peak to plain ``tf.gradients``' peak, dominated plans dropped."""
-    from memsave_grads import memory_model  # pylint: disable=import-outside-toplevel
     low = planners.frontier_cuts(problem.graph, problem.must_keep, problem.candidates,
                                  problem.not_replayed)
     high = memory_model.plain_peak_bytes(problem.graph)

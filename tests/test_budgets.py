@@ -259,3 +259,16 @@ def test_profile_calibrates_costs(graph, session):
         s >= 0 for s in seconds.values())
     report = mg.explain(loss, weights, checkpoints=mg.Budget(fraction=0.5, op_seconds=seconds))
     assert report.predicted_peak_bytes <= report.budget_bytes
+
+
+def test_malformed_budget_string_fails_at_patch_time():
+    with pytest.raises(mg.InvalidArgumentError, match="malformed budget"):
+        mg.patch(checkpoints="budget:lots")
+    assert not mg.is_patched()
+
+
+def test_milp_without_scipy_says_how_to_install(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "scipy", None)  # import scipy now raises ImportError
+    with pytest.raises(mg.MissingDependencyError, match="pip install scipy"):
+        solvers.solve(_chain_problem().with_budget(10**9), "milp")
