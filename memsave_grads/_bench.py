@@ -301,6 +301,10 @@ def _short_reason(error: Exception, limit: int = 90) -> str:
     return first if len(first) <= limit else first[:limit - 3] + "..."
 
 
+#: A method that raises one of these is reported as n/a for that model, not as a failure.
+_NOT_APPLICABLE = errors.FALLBACK_ERRORS + (errors.InfeasibleBudgetError,)
+
+
 def measure_model(spec: ModelSpec, methods: Sequence[Method] = DEFAULT_METHODS,
                   repeats: int = 3, learning_rate: float = 1e-4) -> list[Result]:
     """Build ``spec`` once, add each method's training step, and measure them all.
@@ -310,7 +314,7 @@ def measure_model(spec: ModelSpec, methods: Sequence[Method] = DEFAULT_METHODS,
     up, ``repeats`` times for the median time, and once more for the peak memory.
 
     The first method is the reference for gradient errors (normally ``tf.gradients``). A method
-    whose strategy raises one of :data:`memsave_grads.errors.FALLBACK_ERRORS` (for instance
+    whose strategy raises one of :data:`_NOT_APPLICABLE` (for instance an infeasible budget, or
     ``NoCheckpointsFoundError``) is reported with ``skipped`` set instead of failing.
     """
     graph = tf.Graph()
@@ -324,7 +328,7 @@ def measure_model(spec: ModelSpec, methods: Sequence[Method] = DEFAULT_METHODS,
             start = time.perf_counter()
             try:
                 grads = method.gradients(loss, variables)
-            except errors.FALLBACK_ERRORS as e:  # nothing to gain, or the graph cannot be rewritten
+            except _NOT_APPLICABLE as e:  # nothing to gain, cannot rewrite, or budget too small
                 result.skipped = _short_reason(e)
                 logging.info("%s / %s: n/a (%s)", spec.name, method.label, e)
                 continue
@@ -373,7 +377,7 @@ def _predicted_peak(method: Method, loss, variables) -> int | None:
     try:
         return explain_lib.explain(loss, list(variables),
                                    checkpoints=method.checkpoints).predicted_peak_bytes
-    except errors.FALLBACK_ERRORS:
+    except _NOT_APPLICABLE:
         return None
 
 
