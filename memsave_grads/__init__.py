@@ -20,6 +20,7 @@ from memsave_grads.errors import InvalidTypeError
 from memsave_grads.errors import MemsaveGradsError
 from memsave_grads.errors import MissingDependencyError
 from memsave_grads.errors import NoCheckpointsFoundError
+from memsave_grads.errors import NotDifferentiableError
 from memsave_grads.errors import PatchStateError
 from memsave_grads.errors import SparseGradientError
 from memsave_grads.errors import UnknownStrategyError
@@ -38,5 +39,5 @@ __all__ = [
     "MemsaveGradsError", "InvalidArgumentError", "InvalidTypeError", "UnknownStrategyError",
     "CheckpointNotOnPathError", "NoCheckpointsFoundError", "UnsupportedGraphError",
     "SparseGradientError", "EagerExecutionError", "PatchStateError", "InfeasibleBudgetError",
-    "MissingDependencyError",
+    "MissingDependencyError", "NotDifferentiableError",
 ]

@@ -33,6 +33,13 @@ def is_eager_tensor(value) -> bool:
     return isinstance(value, tf_ops.EagerTensor)
 
 
+def carries_gradients(t: tf.Tensor) -> bool:
+    """Whether gradients can flow through ``t``: float and complex values, and the resource
+    handles and variants (TensorLists) that stand for them."""
+    dtype = t.dtype.base_dtype
+    return dtype.is_floating or dtype.is_complex or dtype in (tf.resource, tf.variant)
+
+
 def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
                    stop_ops: Iterable[tf.Operation] = ()) -> list[tf.Operation]:
     """Operations on some data path from an ``x`` to a ``y``, in topological (creation) order.

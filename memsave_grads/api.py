@@ -65,6 +65,15 @@ def _normalise(ys, xs, grad_ys):
                 raise errors.InvalidArgumentError(
                     f"{name}[{i}]: {t.name!r} belongs to another graph than ys[0] "
                     f"({ys[0].name!r}). Build xs and ys in the same graph or tf.function.")
+    for name, tensors in (("ys", ys), ("xs", xs)):
+        if not any(_tf_graph.carries_gradients(t) for t in tensors):
+            given = ", ".join(f"{t.name!r} ({t.dtype.name})" for t in tensors[:3])
+            raise errors.NotDifferentiableError(
+                f"{name}: expected at least one floating-point or complex tensor, got only "
+                f"{given}{', ...' if len(tensors) > 3 else ''}. Gradients do not flow through "
+                "integer or boolean tensors (tf.gradients returns None for them); differentiate "
+                "a float loss with respect to float tensors or variables, casting with tf.cast "
+                "where needed.")
     if grad_ys is None:
         grad_ys = [None] * len(ys)
     else:

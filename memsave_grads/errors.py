@@ -33,6 +33,11 @@ class NoCheckpointsFoundError(InvalidArgumentError):
     """The strategy found no tensor worth keeping in this graph."""
 
 
+class NotDifferentiableError(InvalidArgumentError):
+    """Every y (or every x) has a dtype gradients cannot flow through (integer, boolean,
+    string): tf.gradients would return only ``None``, so there is nothing to rewrite."""
+
+
 class InfeasibleBudgetError(InvalidArgumentError):
     """A memory budget is below the smallest peak any plan reaches.
 
@@ -69,4 +74,4 @@ class PatchStateError(MemsaveGradsError, RuntimeError):
 
 #: Errors after which a patched ``tf.gradients`` may fall back to the original function: the
 #: graph is fine for TensorFlow, we merely have nothing to gain or cannot rewrite it.
-FALLBACK_ERRORS = (NoCheckpointsFoundError, UnsupportedGraphError)
+FALLBACK_ERRORS = (NoCheckpointsFoundError, NotDifferentiableError, UnsupportedGraphError)

@@ -71,6 +71,29 @@ def test_integer_checkpoint(chain):
             lambda: mg.gradients(y2, x, checkpoints=[n]))
 
 
+def test_boolean_checkpoint(chain):
+    graph, x, (h1, _, _), y = chain
+    positive = h1 > 0
+    y2 = y + tf.reduce_sum(tf.where(positive, h1, -h1))
+    _raises(graph, mg.InvalidArgumentError, "dtype bool.*Remove it",
+            lambda: mg.gradients(y2, x, checkpoints=[positive]))
+
+
+@pytest.mark.parametrize("which", ["ys", "xs"])
+@pytest.mark.parametrize("dtype", [tf.int32, tf.bool])
+def test_integer_or_boolean_ys_and_xs(chain, which, dtype):
+    graph, x, (h1, _, _), y = chain
+    discrete = tf.cast(h1 > 0, dtype)
+    ys, xs = (discrete, x) if which == "ys" else (y, discrete)
+    err = _raises(graph, mg.NotDifferentiableError,
+                  rf"{which}: expected at least one floating-point.*{dtype.name}.*tf.cast",
+                  lambda: mg.gradients(ys, xs, checkpoints="memory"))
+    assert isinstance(err, ValueError)
+    # Patched, it falls back to tf.gradients, which returns None for it, like unpatched code.
+    with mg.patch(checkpoints="memory"):
+        assert tf.gradients(ys, xs) == [None]
+
+
 def test_empty_xs(chain):
     graph, _, _, y = chain
     _raises(graph, mg.InvalidArgumentError, "xs: got an empty list",

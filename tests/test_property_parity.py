@@ -2,11 +2,19 @@
 
 Profiles: the default runs in CI; ``MEMSAVE_HYPOTHESIS_PROFILE=thorough python -m pytest
 tests/test_property_parity.py`` runs thousands of examples.
+
+Regressions: a failing example is written to ``regressions/property_parity.json`` (always under
+the thorough profile, or with ``MEMSAVE_SAVE_FAILURES=1``), and every example in that file runs
+first in every profile. Hypothesis replays its shrunk example last, so what stays in the file is
+the minimal one. Commit the file with the fix.
 """
 
+import json
 import os
+import pathlib
 
 import numpy as np
+import pytest
 import tensorflow as tf
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
@@ -18,11 +26,14 @@ settings.register_profile("ci", max_examples=150, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=3000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("MEMSAVE_HYPOTHESIS_PROFILE", "ci"))
+PROFILE = os.environ.get("MEMSAVE_HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
+REGRESSIONS = pathlib.Path(__file__).parent / "regressions" / "property_parity.json"
+SAVE_FAILURES = PROFILE == "thorough" or os.environ.get("MEMSAVE_SAVE_FAILURES") == "1"
 
 B, D = 3, 4
 UNARY = ["matmul", "tanh", "relu", "sigmoid", "matmul", "stop_gradient", "identity", "transpose",
-         "gather", "unstack", "row_norm", "cond", "split"]
+         "gather", "unstack", "row_norm", "cond", "split", "embedding", "reduce_max"]
 BINARY = ["add", "mul", "sub", "concat_split"]
 
 
@@ -45,6 +56,11 @@ def _apply(kind, args, dtype, seed):
         return tf.reshape(tf.transpose(tf.reshape(a, [-1, 2, D // 2]), [0, 2, 1]), [-1, D])
     if kind == "gather":
         return tf.gather(a, [2, 0, 1, 1][:B] if B == 3 else list(range(B)))
+    if kind == "embedding":  # ids computed in the graph (an integer op on the path)
+        ids = tf.math.floormod(tf.argmax(a, axis=1), B)
+        return tf.nn.embedding_lookup(a, ids) + a
+    if kind == "reduce_max":
+        return a - tf.reduce_max(a, axis=0, keepdims=True)
     if kind == "unstack":
         return tf.stack(tf.unstack(a, num=B, axis=0)[::-1], axis=0)
     if kind == "row_norm":
@@ -70,6 +86,8 @@ def _apply(kind, args, dtype, seed):
 
 @st.composite
 def programs(draw):
+    # Strategy first: Hypothesis biases later draws towards their simplest values.
+    strategy = draw(st.sampled_from(["memory", "speed", "collection", "explicit"]))
     n_inputs = draw(st.integers(1, 3))
     n_ops = draw(st.integers(4, 16))
     steps = []
@@ -80,14 +98,15 @@ def programs(draw):
             args = [draw(st.integers(max(0, available - 4), available - 1))]
         else:
             kind = draw(st.sampled_from(BINARY))
-            args = [draw(st.integers(0, available - 1)) for _ in range(2)]
+            # One recent operand keeps the graph deep; the other may reach far back (fan-out).
+            args = [draw(st.integers(max(0, available - 3), available - 1)),
+                    draw(st.integers(0, available - 1))]
         steps.append((kind, args))
     total = n_inputs + n_ops
     ys = sorted({total - 1} | draw(st.sets(st.integers(n_inputs, total - 1), max_size=1)))
     xs = sorted({draw(st.integers(0, n_inputs - 1))}
                 | draw(st.sets(st.integers(0, total - 1), max_size=2)))
-    strategy = draw(st.sampled_from(["memory", "speed", "collection", "explicit"]))
-    picks = draw(st.sets(st.integers(n_inputs, total - 1), max_size=4))
+    picks = draw(st.sets(st.integers(n_inputs, total - 1), min_size=1, max_size=4))
     return dict(n_inputs=n_inputs, steps=steps, ys=ys, xs=xs, strategy=strategy,
                 picks=sorted(picks), dtype=draw(st.sampled_from([tf.float32, tf.float64])),
                 unknown_batch=draw(st.booleans()), use_grad_ys=draw(st.booleans()))
@@ -110,18 +129,109 @@ def _build(program):
     return nodes, feed
 
 
-# Regression examples found by the thorough profile.
-CANCELLING_SUBTRACTIONS = {  # exact gradient 0; tf.gradients returns 5e-8 of rounding noise
-    "n_inputs": 1, "steps": [("matmul", [0]), ("matmul", [0]), ("matmul", [0]), ("add", [0, 0]),
-                             ("sub", [2, 2]), ("add", [0, 0]), ("matmul", [3]), ("matmul", [4]),
-                             ("mul", [0, 5]), ("add", [0, 0]), ("sub", [2, 2])],
-    "ys": [9, 11], "xs": [0, 2], "strategy": "memory", "picks": [], "dtype": tf.float32,
-    "unknown_batch": False, "use_grad_ys": False}
+def _to_json(program):
+    return dict(program, dtype=program["dtype"].name,
+                steps=[[kind, list(args)] for kind, args in program["steps"]])
+
+
+def _from_json(data):
+    return dict(data, dtype=tf.as_dtype(data["dtype"]),
+                steps=[(kind, list(args)) for kind, args in data["steps"]])
+
+
+def _load_regressions():
+    return json.loads(REGRESSIONS.read_text()) if REGRESSIONS.exists() else []
+
+
+_saved_this_run = None  # index in the file of the failure this process saved
+
+
+def _save_failure(program, error):
+    """Keep one entry per run: each failing replay while shrinking overwrites the last."""
+    global _saved_this_run
+    entries = _load_regressions()
+    entry = {"found_by": f"hypothesis ({PROFILE} profile)",
+             "error": f"{type(error).__name__}: {str(error)[:300]}",
+             "program": _to_json(program)}
+    if _saved_this_run is None or _saved_this_run >= len(entries):
+        _saved_this_run = len(entries)
+        entries.append(entry)
+    else:
+        entries[_saved_this_run] = entry
+    REGRESSIONS.parent.mkdir(exist_ok=True)
+    REGRESSIONS.write_text(json.dumps(entries, indent=1) + "\n")
+
+
+def _with_regressions(test):
+    for entry in reversed(_load_regressions()):
+        test = example(_from_json(entry["program"]))(test)
+    return test
+
+
+def _saving_failures(check):
+    def run(program):
+        try:
+            check(program)
+        except Exception as error:
+            if SAVE_FAILURES:
+                _save_failure(program, error)
+            raise
+    return run
 
 
 @given(programs())
-@example(CANCELLING_SUBTRACTIONS)
+@_with_regressions
 def test_random_graphs_match_tf_gradients(program):
+    _saving_failures(_check_parity)(program)
+
+
+def test_a_failure_is_saved_shrunk_and_replayed(tmp_path, monkeypatch):
+    """The regression machinery itself: a planted failure (graphs of 6+ ops "fail") ends up in
+    the file once, shrunk to the minimal 6 ops, and loads back as an example."""
+    monkeypatch.setattr(f"{__name__}.REGRESSIONS", tmp_path / "regressions.json")
+    monkeypatch.setattr(f"{__name__}.SAVE_FAILURES", True)
+    monkeypatch.setattr(f"{__name__}._saved_this_run", None)
+
+    def planted(program):
+        if len(program["steps"]) >= 6:
+            raise AssertionError("planted failure")
+
+    @settings(max_examples=50, database=None)
+    @given(programs())
+    def property_test(program):
+        _saving_failures(planted)(program)
+
+    with pytest.raises(AssertionError, match="planted"):
+        property_test()
+    entries = _load_regressions()
+    assert len(entries) == 1 and entries[0]["error"] == "AssertionError: planted failure"
+    program = _from_json(entries[0]["program"])
+    assert len(program["steps"]) == 6 and program["dtype"] in (tf.float32, tf.float64)
+    replayed = []
+    _with_regressions(given(programs())(settings(max_examples=1, database=None)(
+        lambda program: replayed.append(program))))()
+    assert replayed[0] == program  # explicit examples run first
+    # and it is a real, buildable program
+    given(st.just(program))(settings(max_examples=1, database=None)(_check_parity))()
+
+
+def _ops_between(xs, ys):
+    """Ops on a path from some x to some y: where an explicit checkpoint is meaningful."""
+    def closure(start, step):
+        seen, stack = set(), list(start)
+        while stack:
+            op = stack.pop()
+            if op not in seen:
+                seen.add(op)
+                stack.extend(step(op))
+        return seen
+
+    above_ys = closure([y.op for y in ys], lambda op: [t.op for t in op.inputs])
+    below_xs = closure([x.op for x in xs], lambda op: [c for t in op.outputs for c in t.consumers()])
+    return above_ys & below_xs
+
+
+def _check_parity(program):
     graph = tf.Graph()
     with graph.as_default():
         nodes, feed = _build(program)
@@ -131,8 +241,9 @@ def test_random_graphs_match_tf_gradients(program):
         if program["use_grad_ys"]:
             grad_ys = [tf.constant(np.full([B, D], 0.5 + i), dtype=program["dtype"])
                        for i in range(len(ys))]
+        between = _ops_between(xs, ys)
         interior = [nodes[i] for i in program["picks"]
-                    if all(nodes[i] is not t for t in ys + xs)]
+                    if nodes[i].op in between and all(nodes[i] is not t for t in ys + xs)]
         for t in interior:
             tf.compat.v1.add_to_collection("checkpoints", t)
         checkpoints = interior if program["strategy"] == "explicit" else program["strategy"]
