@@ -161,3 +161,23 @@ def test_keras2_fit_in_a_v1_graph_is_routed():
     done = subprocess.run([sys.executable, "-c", KERAS_FIT], capture_output=True, text=True,
                           timeout=300)
     assert "KERAS_OK" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+IMPORT_CHANGES_NOTHING = textwrap.dedent("""
+    import sys
+    import tensorflow as tf
+    before = (tf.gradients, tf.compat.v1.gradients, sys.getrecursionlimit(),
+              tf.compat.v1.train.Optimizer.compute_gradients)
+    import memsave_grads
+    after = (tf.gradients, tf.compat.v1.gradients, sys.getrecursionlimit(),
+             tf.compat.v1.train.Optimizer.compute_gradients)
+    assert all(a is b or a == b for a, b in zip(before, after)), (before, after)
+    assert not memsave_grads.is_patched()
+    print("unchanged")
+""")
+
+
+def test_importing_changes_nothing():
+    result = subprocess.run([sys.executable, "-c", IMPORT_CHANGES_NOTHING], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and "unchanged" in result.stdout, result.stderr[-2000:]
