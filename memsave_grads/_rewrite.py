@@ -24,8 +24,13 @@ _CACHED_FUNC_GRAPH_ATTRS = ("_true_graph", "_false_graph", "_cond_graph", "_body
 
 
 def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[tf.Operation],
-             replacements: Mapping | None = None) -> dict[tf.Operation, tf.Operation]:
+             replacements: Mapping | None = None,
+             graph: tf.Graph | None = None) -> dict[tf.Operation, tf.Operation]:
     """Copy ``ops`` (topologically ordered, one graph) and return ``{original: copy}``.
+
+    The copies go into ``graph`` (default: the ops' own graph). Into another graph (the
+    backward body of a loop), inputs from the ops' graph are captured by that function graph,
+    and colocation attributes, which name ops of the source graph, are dropped.
 
     A copy reads the copies of its inputs where those were copied, ``replacements[t.ref()]``
     where given (the boundaries), and the original tensors otherwise. It keeps the original's attributes (colocation ``_class`` included), device and
@@ -36,19 +41,24 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
     if not ops:
         return {}
     replacements = replacements or {}
-    graph = ops[0].graph
+    source = ops[0].graph
+    graph = graph or source
     copies: dict[tf.Operation, tf.Operation] = {}
     with graph.name_scope(scope):
         for op in ops:
             inputs = [copies[t.op].outputs[t.value_index] if t.op in copies
                       else replacements.get(t.ref(), t) for t in op.inputs]
+            attrs = dict(op.node_def.attr)
+            if graph is not source:
+                attrs.pop("_class", None)
             new = graph._create_op_internal(  # pylint: disable=protected-access
                 op.type, inputs, dtypes=[t.dtype for t in op.outputs], name=op.name,
-                attrs=dict(op.node_def.attr), op_def=op.op_def, compute_device=False)
+                attrs=attrs, op_def=op.op_def, compute_device=False)
             new._set_device(op.device)  # pylint: disable=protected-access
             for original, copied in zip(op.outputs, new.outputs):
                 copied.set_shape(original.shape)
-            extra = [copies.get(c, c) for c in op.control_inputs]
+            extra = [copies.get(c, c) for c in op.control_inputs
+                     if c in copies or c.graph is graph]
             if not any(t.op in copies for t in op.inputs):
                 extra.extend(control_inputs)
             if extra:

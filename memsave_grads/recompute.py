@@ -1,0 +1,231 @@
+"""``recompute(fn)``: keep only a function's inputs for backprop and recompute its internals.
+
+``gradients()`` chooses checkpoints in a whole forward graph, but it cannot reach inside a
+``tf.while_loop``: the loop's gradient stores every tensor of every iteration that the body's
+gradient reads (in TensorList accumulators). For a recurrent cell that is all the gate
+activations of all T steps. ``recompute(step_fn)`` wraps the step so that the backward pass
+stores only what the step received (inputs, state; also the outputs of stateful ops, see below)
+and runs the step's ops again, in the backward iteration, before taking their gradient. Caffe2
+does the same for LSTMs (``recompute_blobs_on_backward``).
+
+Unlike ``tf.recompute_grad``, which calls the function a second time, this copies the forward
+ops (design note "recompute" in docs/design.md):
+
+- Stateful ops are not copied. Their outputs (dropout masks, random draws, variable reads) are
+  kept and fed to the copies, so a recomputation never redraws a random number and never reads
+  a variable that an update changed in between.
+- The copies carry control dependencies on the incoming gradients, so outside a loop they run
+  during backprop and not during the forward pass (design note "scheduling").
+
+Works in v1 graphs and inside ``tf.function``, under ``tf.gradients``, ``memsave_grads.gradients``
+and ``tf.GradientTape`` (inside a ``tf.function``). Eagerly there is no graph to copy: the
+function runs as it is and saves nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Callable, Sequence
+
+import tensorflow as tf
+from absl import logging
+from tensorflow.python.framework import func_graph as func_graph_lib
+
+from memsave_grads import _rewrite
+from memsave_grads import _tf_graph
+from memsave_grads import errors
+
+_call_counter = itertools.count()
+
+
+def recompute(fn: Callable) -> Callable:
+    """Wrap ``fn`` so its gradient recomputes its internals instead of storing them.
+
+    Args:
+      fn: a function of tensors (positional arguments, possibly nested structures of
+        tensors) returning a tensor or a nested structure of tensors; typically one step of a
+        recurrent net, called in a ``tf.while_loop``, ``tf.scan`` or an unrolled loop. It may
+        read variables (their gradients are returned as ``tf.custom_gradient`` expects) and
+        use random ops such as dropout (their draws are kept, never redrawn). Keyword arguments
+        must be bound beforehand, e.g. with ``functools.partial``.
+
+    Returns:
+      A function with ``fn``'s signature and values whose gradient stores only the
+      arguments, the outputs and the outputs of stateful ops.
+
+    Raises:
+      memsave_grads.InvalidTypeError: ``fn`` is not callable, or is called with keyword
+        arguments.
+      memsave_grads.UnsupportedGraphError: ``fn`` passes a value that depends on its inputs
+        through a stateful op (e.g. ``tf.print`` of an activation inside a ``py_function``).
+        Such an op would have to run again, so move it out of ``fn``.
+    """
+    if not callable(fn):
+        raise errors.InvalidTypeError(
+            f"recompute: fn: expected a callable (a step or cell function), got "
+            f"{type(fn).__name__}: {fn!r:.80}.")
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if kwargs:
+            raise errors.InvalidTypeError(
+                f"recompute({getattr(fn, '__name__', 'fn')}): got keyword arguments "
+                f"{sorted(kwargs)}; tf.custom_gradient, which carries the recomputation, takes "
+                "positional tensors only. Bind them first: recompute(functools.partial(fn, "
+                "training=True)).")
+        if tf.executing_eagerly():
+            logging.vlog(1, "memsave_grads.recompute: eager call of %s runs as is (nothing to "
+                         "recompute without a graph)", getattr(fn, "__name__", "fn"))
+            return fn(*args)
+        return _recomputed(fn, args)
+
+    return wrapper
+
+
+def _recomputed(fn: Callable, args: tuple):
+    scope = f"memsave_recompute_{next(_call_counter)}"
+
+    @tf.custom_gradient
+    def forward(*tensor_args):
+        graph = tf.compat.v1.get_default_graph()
+        first_op = len(graph.get_operations())
+        result = fn(*tensor_args)
+        forward_ops = graph.get_operations()[first_op:]
+        inputs = [t for t in tf.nest.flatten(tensor_args) if isinstance(t, tf.Tensor)]
+        outputs = tf.nest.flatten(result)
+        plan = _plan(forward_ops, inputs, outputs, getattr(fn, "__name__", "fn"))
+
+        def grad(*output_grads, variables: Sequence[tf.Variable] | None = None):
+            return _backward(plan, inputs, outputs, output_grads, list(variables or ()), scope)
+
+        return result, grad
+
+    return forward(*args)
+
+
+class _Plan:
+    """What the backward pass copies (``replayed``, in creation order, which is topological)
+    and what it reads from the forward pass (``kept``: stateful outputs and values from outside
+    the function)."""
+
+    def __init__(self, replayed, kept_reads):
+        self.replayed = replayed
+        self.kept_reads = kept_reads  # ReadVariableOp outputs: the gradients of variables
+
+
+def _plan(forward_ops, inputs, outputs, fn_name) -> _Plan:
+    own = set(forward_ops)
+    needed, stack = set(), [t.op for t in outputs if t.op in own]
+    while stack:
+        op = stack.pop()
+        if op in needed:
+            continue
+        needed.add(op)
+        if not _tf_graph.is_replayable(op):
+            continue  # kept: its outputs are read from the forward pass
+        stack.extend(t.op for t in op.inputs if t.op in own)
+        stack.extend(c for c in op.control_inputs if c in own)
+    kept = {op for op in needed if not _tf_graph.is_replayable(op)}
+    _check_kept(kept, own, inputs, fn_name)
+    replayed = [op for op in forward_ops if op in needed and op not in kept]
+    kept_reads = [op.outputs[0] for op in forward_ops
+                  if op in kept and op.type == "ReadVariableOp"]
+    return _Plan(replayed, kept_reads)
+
+
+def _check_kept(kept, own, inputs, fn_name) -> None:
+    """A kept stateful op must not read a differentiable value computed from the inputs: its
+    gradient would need the op's forward inputs, which is what recompute does not store."""
+    input_ops = {t.op for t in inputs}
+    input_refs = {t.ref() for t in inputs}
+    depends: dict = {}
+
+    def from_inputs(t) -> bool:
+        if t.ref() in input_refs:
+            return True
+        if t.op not in own or t.op in input_ops:
+            return False
+        if t.op not in depends:
+            depends[t.op] = False  # cycles cannot occur in a graph; guards recursion
+            depends[t.op] = any(from_inputs(i) for i in t.op.inputs)
+        return depends[t.op]
+
+    for op in kept:
+        for t in op.inputs:
+            if _tf_graph.carries_gradients(t) and t.dtype != tf.resource and from_inputs(t):
+                raise errors.UnsupportedGraphError(
+                    f"recompute({fn_name}): the stateful op {op.name!r} ({op.type}) reads "
+                    f"{t.name!r}, which is computed from the function's inputs. Stateful ops "
+                    "are never run twice, and its gradient would need that value stored. Move "
+                    "the op out of the recomputed function, or make it stateless (e.g. "
+                    "tf.random.stateless_uniform with an explicit seed).")
+
+
+def _backward(plan: _Plan, inputs, outputs, output_grads, variables, scope):
+    graph = tf.compat.v1.get_default_graph()
+    live = [g for g in output_grads if g is not None]
+    # Local stand-ins for the forward values the copies read: in a loop's backward body they
+    # are captured (stored per iteration); elsewhere they are the forward tensors themselves.
+    with tf.name_scope(scope):
+        with tf.name_scope("stored"):
+            local_inputs = [tf.identity(t) if _differentiable(t) else t for t in inputs]
+            local_reads = [tf.identity(t) for t in plan.kept_reads]
+        replacements = {t.ref(): local for t, local in zip(inputs, local_inputs)}
+        replacements.update({t.ref(): local for t, local in zip(plan.kept_reads, local_reads)})
+        copies = _rewrite.copy_ops(plan.replayed, "replay", control_inputs=[g.op for g in live],
+                                   replacements=replacements, graph=graph)
+        replayed_outputs = [copies[t.op].outputs[t.value_index] if t.op in copies
+                            else replacements.get(t.ref(), t) for t in outputs]
+        pairs = [(y, g) for y, g in zip(replayed_outputs, output_grads)
+                 if g is not None and _differentiable(y)]
+        targets = [t for t in local_inputs if _differentiable(t)] + local_reads
+        grads = (tf.gradients([y for y, _ in pairs], targets, [g for _, g in pairs])
+                 if pairs and targets else [None] * len(targets))
+    by_target = iter(grads)
+    input_grads = [next(by_target) if _differentiable(t) else None for t in local_inputs]
+    read_grads = list(by_target)
+    if not variables:
+        return input_grads
+    return input_grads, _variable_grads(variables, plan.kept_reads, read_grads)
+
+
+def _differentiable(t) -> bool:
+    return isinstance(t, tf.Tensor) and _tf_graph.carries_gradients(t) and t.dtype != tf.resource
+
+
+def _variable_grads(variables, reads, read_grads):
+    """Sum the gradients of each variable's reads inside the function."""
+    sums = []
+    for variable in variables:
+        parts = [g for read, g in zip(reads, read_grads)
+                 if g is not None and _reads_variable(read.op, variable)]
+        parts = [tf.convert_to_tensor(g) for g in parts]  # IndexedSlices from gathers
+        sums.append(tf.add_n(parts) if len(parts) > 1 else (parts[0] if parts else None))
+    return sums
+
+
+def _reads_variable(read_op: tf.Operation, variable: tf.Variable) -> bool:
+    """Whether ``read_op`` reads ``variable``: follow the handle through the captures of
+    nested function graphs (a while body inside a tf.function) to the variable's own handle."""
+    handle = read_op.inputs[0]
+    target = variable.handle
+    while not _tf_graph.is_eager_tensor(handle):
+        if handle is target or (not _tf_graph.is_eager_tensor(target)
+                                and handle.graph is target.graph and handle.name == target.name):
+            return True
+        graph = handle.graph
+        if not isinstance(graph, func_graph_lib.FuncGraph):
+            return False
+        external = _external_of(graph, handle)
+        if external is None:
+            return False
+        handle = external
+    return handle is target
+
+
+def _external_of(graph, internal):
+    for external, captured in graph.captures:
+        if captured is internal:
+            return external
+    return None

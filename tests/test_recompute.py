@@ -1,0 +1,210 @@
+"""recompute(fn): recurrent steps inside tf.while_loop store their inputs, not their internals.
+
+Also: forward graphs with while loops and Keras 2 recurrent layers give tf.gradients' values
+under every strategy (the 2018 tool crashed on them).
+"""
+
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave_grads as mg
+from conftest import assert_grads_close
+from memsave_grads import memory
+from memsave_grads.recompute import recompute
+
+B, D, H = 4, 3, 5
+
+
+def _lstm_params(steps, batch=B, features=D, units=H):
+    x = tf.constant(np.random.RandomState(1).randn(steps, batch, features).astype(np.float32))
+    w = tf.Variable((np.random.RandomState(2).randn(features + units, 4 * units) * 0.3)
+                    .astype(np.float32), name="W")
+    b = tf.Variable(np.zeros(4 * units, np.float32), name="b")
+    return w, b, x
+
+
+def _lstm_loss(step_wrapper, steps, batch=B, features=D, units=H, dropout=0.0, params=None):
+    """A hand-written LSTM over ``steps`` steps in a tf.while_loop; returns (loss, [W, b, x])."""
+    w, b, x = params or _lstm_params(steps, batch, features, units)
+
+    def cell(x_t, h, c):
+        z = tf.matmul(tf.concat([x_t, h], 1), w) + b
+        i, f, g, o = tf.split(z, 4, axis=1)
+        c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
+        h = tf.sigmoid(o) * tf.tanh(c)
+        if dropout:
+            h = tf.nn.dropout(h, rate=dropout)
+        return h, c
+
+    step = step_wrapper(cell)
+
+    def body(t, h, c, total):
+        h, c = step(x[t], h, c)
+        return t + 1, h, c, total + tf.reduce_sum(h * h)
+
+    zeros = tf.zeros([batch, units])
+    _, _, c, total = tf.while_loop(lambda t, *_: t < steps, body, [0, zeros, zeros, 0.0])
+    return total + tf.reduce_sum(c), [w, b, x]
+
+
+def _plain(fn):
+    return fn
+
+
+def _v1_values(build, gradients_fn=tf.gradients):
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs = build()
+        grads = gradients_fn(loss, xs)
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            return sess.run([loss] + grads)
+
+
+@pytest.mark.parametrize("gradients_fn", [tf.gradients,
+                                          lambda y, x: mg.gradients(y, x, checkpoints="memory")],
+                         ids=["tf.gradients", "memsave_memory"])
+def test_lstm_in_a_while_loop_matches_in_a_v1_graph(gradients_fn):
+    want = _v1_values(lambda: _lstm_loss(_plain, 20))
+    got = _v1_values(lambda: _lstm_loss(recompute, 20), gradients_fn)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert_grads_close(got[1:], want[1:])
+
+
+def test_lstm_under_gradient_tape_in_a_tf_function():
+    params = _lstm_params(20)  # variables created outside the function, as Keras does
+    results = {}
+    for name, wrapper in [("plain", _plain), ("recompute", recompute)]:
+
+        @tf.function
+        def step(wrapper=wrapper):
+            with tf.GradientTape() as tape:
+                tape.watch(params[2])
+                loss, xs = _lstm_loss(wrapper, 20, params=params)
+            return loss, tape.gradient(loss, xs)
+
+        results[name] = step()
+    assert_grads_close([r.numpy() for r in results["recompute"][1]],
+                       [r.numpy() for r in results["plain"][1]])
+
+
+def test_dropout_is_not_redrawn():
+    """The gradient of a dropout layer in a loop must use the forward pass's masks. The exact
+    gradient follows from the forward outputs; tf.recompute_grad, which calls the function
+    again, draws new masks and fails this check (asserted below, so the check can fail)."""
+    steps, units = 6, 5
+
+    def error_of(wrapper):
+        graph = tf.Graph()
+        with graph.as_default():
+            x = tf.constant(np.random.RandomState(1).randn(steps, B, D).astype(np.float32))
+            r = tf.constant(np.random.RandomState(3).randn(steps, B, units).astype(np.float32))
+            w = tf.Variable(np.random.RandomState(2).randn(D, units).astype(np.float32))
+            step = wrapper(lambda x_t: tf.nn.dropout(tf.matmul(x_t, w), rate=0.5))
+
+            def body(t, total, outputs):
+                h = step(x[t])
+                return t + 1, total + tf.reduce_sum(h * r[t]), outputs.write(t, h)
+
+            _, loss, outputs = tf.while_loop(lambda t, *_: t < steps, body,
+                                             [0, 0.0, tf.TensorArray(tf.float32, steps)])
+            grad = tf.gradients(loss, w)[0]
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                h, got, xv, rv = sess.run([outputs.stack(), grad, x, r])
+        # d loss / d w = sum_t x_t^T (r_t * mask_t / keep); the forward output reveals mask_t.
+        expected = sum(xv[t].T @ (rv[t] * 2.0 * (h[t] != 0)) for t in range(steps))
+        return float(np.abs(got - expected).max() / np.abs(expected).max())
+
+    assert error_of(recompute) < 1e-5
+    assert error_of(tf.recompute_grad) > 1e-2, "the check should catch redrawn masks"
+
+
+def test_unrolled_steps_wait_for_their_gradient(graph, session):
+    """Outside a loop the copies are in the same graph: they must depend on the incoming
+    gradient, or TensorFlow runs them during the forward pass and nothing is saved."""
+    x = tf.constant(np.random.RandomState(0).randn(B, D).astype(np.float32))
+    w = tf.Variable(np.random.RandomState(1).randn(D, D).astype(np.float32))
+    block = recompute(lambda h: tf.tanh(tf.matmul(h, w)) * 2.0)
+    h = x
+    for _ in range(4):
+        h = block(h)
+    loss = tf.reduce_sum(h * h)
+    grads = tf.gradients(loss, [w, x])
+    h_ref = x
+    for _ in range(4):
+        h_ref = tf.tanh(tf.matmul(h_ref, w)) * 2.0
+    want = tf.gradients(tf.reduce_sum(h_ref * h_ref), [w, x])
+    replayed = [op for op in graph.get_operations()
+                if re.search(r"memsave_recompute_\d+/replay/(?!.*_grad/)", op.name)]
+    assert replayed
+    for op in replayed:
+        reads_a_copy = any(t.op in replayed for t in op.inputs)
+        assert reads_a_copy or op.control_inputs, f"{op.name} could run in the forward pass"
+    session.run(tf.compat.v1.global_variables_initializer())
+    assert_grads_close(session.run(grads), session.run(want))
+
+
+def test_lstm_t1000_peak_is_lower():
+    """The measured saving on a long sequence (CPU BFC allocator byte counts)."""
+    steps, batch, units = 300, 16, 128
+
+    def peak(wrapper):
+        graph = tf.Graph()
+        with graph.as_default():
+            loss, xs = _lstm_loss(wrapper, steps, batch=batch, features=32, units=units)
+            grads = tf.gradients(loss, xs[:2])
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                sess.run(grads)
+                return memory.peak_bytes_of(lambda: sess.run(grads))[0]
+
+    plain, ours = peak(_plain), peak(recompute)
+    # Per step, the plain loop stores ~10 [batch, units] tensors (gates, their activations,
+    # c, tanh(c)); recompute stores x_t, h and c. 300 steps x 8 KiB x 10 = 23 MiB.
+    assert plain >= 15 * memory.MIB, plain / memory.MIB
+    assert ours <= 0.5 * plain, (ours / memory.MIB, plain / memory.MIB)
+
+
+@pytest.mark.parametrize("layer", ["LSTM", "GRU", "SimpleRNN"])
+@pytest.mark.parametrize("strategy", ["memory", "speed", "collection"])
+def test_keras2_recurrent_layers_match(layer, strategy, graph, session):
+    keras = pytest.importorskip("tf_keras")
+    tf.compat.v1.set_random_seed(0)
+    x = tf.constant(np.random.RandomState(1).randn(4, 12, 6).astype(np.float32))
+    cls = getattr(keras.layers, layer)
+    h = cls(8, return_sequences=True)(x)
+    h = cls(8)(h)
+    tf.compat.v1.add_to_collection("checkpoints", h)
+    y = keras.layers.Dense(3)(h)
+    loss = tf.reduce_sum(y * y)
+    xs = tf.compat.v1.trainable_variables() + [x]
+    got = mg.gradients(loss, xs, checkpoints=strategy)
+    want = tf.gradients(loss, xs)
+    assert any("recompute" in op.name for op in graph.get_operations())
+    session.run(tf.compat.v1.global_variables_initializer())
+    assert_grads_close(session.run(got), session.run(want))
+
+
+def test_eager_call_runs_the_function():
+    assert float(recompute(lambda a: a * 2.0)(tf.constant(3.0))) == 6.0
+
+
+def test_bad_input(graph):
+    with pytest.raises(mg.InvalidTypeError, match="fn: expected a callable"):
+        recompute(3)
+    with pytest.raises(mg.InvalidTypeError, match="functools.partial"):
+        recompute(lambda a, training: a)(tf.constant(1.0), training=True)
+    x = tf.constant([1.0, 2.0])
+
+    def logs_activations(a):
+        h = tf.tanh(a)
+        return tf.py_function(lambda v: v, [h], tf.float32) * 2.0
+
+    before = len(graph.get_operations())
+    with pytest.raises(mg.UnsupportedGraphError, match="stateless"):
+        recompute(logs_activations)(x)
+    assert len(graph.get_operations()) > before  # the forward ops exist; nothing else ran
