@@ -29,12 +29,13 @@ from memsave_grads.patch import is_patched
 from memsave_grads.patch import original_gradients
 from memsave_grads.patch import patch
 from memsave_grads.patch import unpatch
+from memsave_grads.recompute import recompute
 
 __version__ = "0.1.0"
 
 __all__ = [
     "gradients", "gradients_speed", "gradients_memory", "gradients_collection",
-    "explain", "PlanReport", "Budget", "profile_op_seconds",
+    "explain", "PlanReport", "Budget", "profile_op_seconds", "recompute",
     "patch", "unpatch", "is_patched", "original_gradients",
     "MemsaveGradsError", "InvalidArgumentError", "InvalidTypeError", "UnknownStrategyError",
     "CheckpointNotOnPathError", "NoCheckpointsFoundError", "UnsupportedGraphError",
