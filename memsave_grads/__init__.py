@@ -10,6 +10,7 @@ from memsave_grads.api import gradients_memory
 from memsave_grads.api import gradients_speed
 from memsave_grads.budgets import Budget
 from memsave_grads.memory import profile_op_seconds
+from memsave_grads.optimize import minimize
 from memsave_grads._explain import PlanReport
 from memsave_grads._explain import explain
 from memsave_grads.errors import CheckpointNotOnPathError
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "gradients", "gradients_speed", "gradients_memory", "gradients_collection",
     "explain", "PlanReport", "Budget", "profile_op_seconds", "recompute",
+    "minimize",
     "patch", "unpatch", "is_patched", "original_gradients",
     "MemsaveGradsError", "InvalidArgumentError", "InvalidTypeError", "UnknownStrategyError",
     "CheckpointNotOnPathError", "NoCheckpointsFoundError", "UnsupportedGraphError",

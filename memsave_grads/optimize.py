@@ -1,0 +1,243 @@
+"""``minimize()``: one training step that applies each variable's update as soon as its
+gradient is complete, so weight gradients die one by one instead of all living until the
+optimizer runs (layer-wise update, as in Apache SINGA's backward; design note "early release"
+in docs/design.md, measurements in docs/minimize.md).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from absl import logging
+
+from memsave_grads import _schedule
+from memsave_grads import _tf_graph
+from memsave_grads import api
+from memsave_grads import errors
+
+_V1 = "tf.compat.v1.train"
+_KERAS = "tf_keras"
+
+
+def _optimizer_family(optimizer) -> str:
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        return _V1
+    packages = {cls.__module__.split(".")[0] for cls in type(optimizer).__mro__
+                if "optimizer" in cls.__module__}
+    if "tf_keras" in packages and callable(getattr(optimizer, "apply_gradients", None)):
+        return _KERAS
+    if "keras" in packages:
+        raise errors.InvalidTypeError(
+            f"optimizer: got a Keras 3 optimizer ({type(optimizer).__name__}; tf.keras is Keras 3 "
+            "in TF >= 2.16). It cannot update variables one by one: its apply step all-reduces "
+            "every gradient in one op, so all gradients are alive until every one is complete. "
+            "Use a Keras 2 optimizer (tf_keras.optimizers.*, pip install tf-keras) or a "
+            "tf.compat.v1.train optimizer, or memsave_grads.gradients + apply_gradients.")
+    raise errors.InvalidTypeError(
+        f"optimizer: expected a tf.compat.v1.train.Optimizer (GradientDescentOptimizer, "
+        f"AdamOptimizer, MomentumOptimizer, ...) or a Keras 2 optimizer "
+        f"(tf_keras.optimizers.*), got {type(optimizer).__name__}: {optimizer!r:.80}. Pass an "
+        f"optimizer instance, not its class or a learning rate.")
+
+
+def _check_loss(loss) -> tf.Tensor:
+    if callable(loss) and not isinstance(loss, (tf.Tensor, tf.Variable)):
+        raise errors.InvalidTypeError(
+            "loss: expected a scalar float tf.Tensor, got a callable. minimize() works on a "
+            "graph: build the loss first (in a tf.compat.v1 graph or inside tf.function) and "
+            "pass the tensor.")
+    loss = api._check_graph_tensor(loss, "loss", allow_variable=False)  # pylint: disable=protected-access
+    if not loss.dtype.is_floating:
+        raise errors.NotDifferentiableError(
+            f"loss: expected a floating-point scalar, got {loss.name!r} of dtype "
+            f"{loss.dtype.name}. Cast it with tf.cast(loss, tf.float32).")
+    if loss.shape.rank is not None and loss.shape.rank != 0:
+        raise errors.InvalidArgumentError(
+            f"loss: expected a scalar (rank 0), got {loss.name!r} of shape {loss.shape}. "
+            "Reduce it first, e.g. tf.reduce_mean(loss).")
+    return loss
+
+
+def _default_var_list(graph: tf.Graph) -> list:
+    if getattr(graph, "building_function", False):
+        raise errors.InvalidArgumentError(
+            "var_list: required inside tf.function (the graph collections of trainable "
+            "variables are empty there); pass the variables, e.g. model.trainable_variables.")
+    with graph.as_default():
+        found = (tf.compat.v1.trainable_variables()
+                 + tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES))
+    unique, seen = [], set()
+    for v in found:
+        if id(v) not in seen:
+            seen.add(id(v))
+            unique.append(v)
+    if not unique:
+        raise errors.InvalidArgumentError(
+            "var_list: None and the graph has no trainable variables; pass var_list.")
+    return unique
+
+
+def _check_var_list(var_list, graph: tf.Graph) -> list:
+    if var_list is None:
+        var_list = _default_var_list(graph)
+    elif isinstance(var_list, tf.Variable) or not isinstance(var_list, (list, tuple)):
+        raise errors.InvalidTypeError(
+            f"var_list: expected a list of resource variables, got "
+            f"{type(var_list).__name__}: {var_list!r:.80}. Wrap a single variable in a list.")
+    var_list = list(var_list)
+    if not var_list:
+        raise errors.InvalidArgumentError("var_list: got an empty list; pass the variables to "
+                                          "train.")
+    seen = set()
+    for i, v in enumerate(var_list):
+        if not _tf_graph.is_resource_variable(v):
+            what = ("a reference (non-resource) variable" if isinstance(v, tf.Variable)
+                    else f"{type(v).__name__}: {v!r:.60}")
+            raise errors.InvalidTypeError(
+                f"var_list[{i}]: expected a resource variable (tf.Variable in TF 2, or "
+                f"use_resource=True in TF 1 code), got {what}. minimize() updates variables; "
+                f"to differentiate tensors use memsave_grads.gradients.")
+        if id(v) in seen:
+            raise errors.InvalidArgumentError(
+                f"var_list[{i}]: variable {v.name!r} is listed twice; list each variable once.")
+        seen.add(id(v))
+    return var_list
+
+
+@tf.autograph.experimental.do_not_convert
+def minimize(loss, optimizer, var_list=None, checkpoints="memory", global_step=None,
+             name=None):
+    """``optimizer.minimize(loss, var_list=var_list)`` with each update applied early.
+
+    Computes the gradients with :func:`memsave_grads.gradients` (``checkpoints=None``: plain
+    ``tf.gradients``), calls ``optimizer.apply_gradients`` once, and then adds control
+    dependencies so that (1) a variable is written only after every op of this step that reads
+    its forward value (no copy-on-write of the weight), (2) update ops that need no gradient
+    (``momentum * m``) wait for it, and (3) the backward ops that allocate the next weight
+    gradient wait for the update that consumes the previous one. One weight gradient is then
+    alive at a time instead of several (docs/minimize.md).
+
+    Optimizer-wide state (v1 Adam's ``beta1_power``/``beta2_power``, ``global_step``, Keras'
+    ``iterations``) is updated by the optimizer's own ``apply_gradients``: once, after every
+    variable's update.
+
+    Args:
+      loss: a scalar floating-point tensor, in a ``tf.compat.v1`` graph or a ``tf.function``.
+      optimizer: a ``tf.compat.v1.train.Optimizer`` (v1 graph or ``tf.function``), or a
+        Keras 2 optimizer (``tf_keras.optimizers.*`` or ``tf_keras.optimizers.legacy.*``)
+        inside ``tf.function``.
+      var_list: resource variables to update; default (v1 graph only): the graph's trainable
+        variables, as ``optimizer.minimize`` does.
+      checkpoints: as in :func:`memsave_grads.gradients`, or ``None`` for ``tf.gradients``
+        (no recomputation; the early updates still apply).
+      global_step: v1 optimizers only: a variable incremented once after all updates.
+      name: name of the returned update op (v1 optimizers).
+
+    Returns:
+      What ``optimizer.apply_gradients`` returns: the train op (v1), or the Keras optimizer's
+      iteration counter.
+
+    Raises:
+      InvalidTypeError / InvalidArgumentError / NotDifferentiableError /
+      EagerExecutionError for bad arguments, before anything is added to the graph.
+    """
+    family = _optimizer_family(optimizer)
+    loss = _check_loss(loss)
+    graph = loss.graph
+    var_list = _check_var_list(var_list, graph)
+    if global_step is not None and family != _V1:
+        raise errors.InvalidArgumentError(
+            "global_step: only tf.compat.v1.train optimizers take it; a Keras optimizer counts "
+            "steps in optimizer.iterations.")
+    if tf.distribute.has_strategy():
+        raise errors.InvalidArgumentError(
+            f"minimize() under {type(tf.distribute.get_strategy()).__name__}: not supported (the "
+            "optimizer's cross-replica update cannot be ordered per variable). Use "
+            "memsave_grads.gradients inside strategy.run and optimizer.apply_gradients "
+            "(docs/distribute.md).")
+
+    with graph.as_default():
+        handles = [tf.convert_to_tensor(v.handle) for v in var_list]
+        for i, (v, h) in enumerate(zip(var_list, handles)):
+            if h.graph is not graph:
+                raise errors.InvalidArgumentError(
+                    f"var_list[{i}]: variable {v.name!r} belongs to another graph than loss "
+                    f"{loss.name!r}. Build the loss from these variables in the same graph.")
+        # Refuse a loss that reaches no variable before adding anything to the graph.
+        region = set(_tf_graph.forward_region([loss], handles))
+        connected = [any(c in region for c in h.consumers()) for h in handles]
+        if not any(connected):
+            names = ", ".join(repr(v.name) for v in var_list[:3])
+            raise errors.InvalidArgumentError(
+                f"var_list: loss {loss.name!r} depends on none of the variables ({names}"
+                f"{', ...' if len(var_list) > 3 else ''}). Pass the variables the loss is "
+                "computed from.")
+
+        grad_floor = _schedule.last_op_id(graph)
+        if checkpoints is None:
+            grads = _tf_graph.ORIGINAL_GRADIENTS([loss], var_list)
+        else:
+            grads = api.gradients(loss, var_list, checkpoints=checkpoints)
+        apply_floor = _schedule.last_op_id(graph)
+        grads_and_vars = list(zip(grads, var_list))
+        if family == _V1:
+            result = optimizer.apply_gradients(grads_and_vars, global_step=global_step,
+                                               name=name)
+        else:
+            # No cross-replica aggregation (we refuse strategies above, so it would sum one
+            # replica): Keras does it with one IdentityN over *all* gradients, which holds every
+            # gradient until the last one is complete and defeats the early updates.
+            result = optimizer.apply_gradients(grads_and_vars, name=name,
+                                               experimental_aggregate_gradients=False)
+
+        step_ops = _step_ancestors(loss)
+        updates = []
+        for v, h, g in zip(var_list, handles, grads):
+            if g is None:
+                continue
+            fed, every = _schedule.update_ops(g, h, apply_floor)
+            updates.append(_schedule.VariableUpdate(
+                name=v.name, handle=h, grad=g,
+                producers=_schedule.gradient_producers(g, grad_floor),
+                fed_ops=fed, update_ops=every,
+                readers=[r for r in _schedule.value_readers(h, apply_floor)
+                         if _schedule.op_id(r) > grad_floor or r in step_ops]))
+        unordered = [u.name for u in updates if not u.fed_ops]
+        if unordered:
+            logging.warning("memsave_grads.minimize: apply_gradients of %s built no op reading "
+                            "the gradient or the variable of %s; those updates are left to "
+                            "dataflow.", type(optimizer).__name__, unordered[:3])
+            updates = [u for u in updates if u.fed_ops]
+        # Why control dependencies at all: dataflow alone already runs an update as soon as
+        # its gradient exists, but nothing stops the backward pass from running ahead of the
+        # updates, so several weight gradients are alive at once. Measured on a 6 x 2048^2 MLP
+        # (docs/minimize.md): optimizer.minimize peaks at 2-3 gradients (GATE_OP) or all 6
+        # (GATE_GRAPH), gradients + apply_gradients at 3-4; with these edges, at 1. And a write
+        # racing a backward op that still reads the forward value of the weight makes
+        # TensorFlow copy the whole weight (copy-on-write), one more weight of memory.
+        # Backprop completes the gradients in this order (the op computing the last piece of
+        # a gradient is created later for layers nearer the input).
+        updates.sort(key=lambda u: max(map(_schedule.op_id, u.producers), default=0))
+        _schedule.mark_early_roots(updates)
+        stats = _schedule.order_updates(updates, grad_floor)
+    logging.vlog(1, "memsave_grads.minimize: %d variables; control edges %s", len(updates),
+                 stats)
+    if stats["skipped_cycles"]:
+        logging.info("memsave_grads.minimize: %d ordering edges would have closed a cycle "
+                     "and were left out (a weight used twice, two gradients from one op such "
+                     "as batch norm's gamma and beta, or gradients combined across variables "
+                     "such as a global-norm clip); those updates run when dataflow allows.",
+                     stats["skipped_cycles"])
+    return result
+
+
+def _step_ancestors(loss: tf.Tensor) -> set:
+    """Every op the forward pass of ``loss`` depends on (data or control)."""
+    seen, stack = set(), [loss.op]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return seen
