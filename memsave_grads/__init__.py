@@ -29,6 +29,9 @@ from memsave_grads.errors import UnsupportedGraphError
 from memsave_grads.patch import is_patched
 from memsave_grads.patch import original_gradients
 from memsave_grads.patch import patch
+from memsave_grads.keras import is_wrapped
+from memsave_grads.keras import unwrap_model
+from memsave_grads.keras import wrap_model
 from memsave_grads.patch import unpatch
 from memsave_grads.recompute import recompute
 
@@ -37,7 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "gradients", "gradients_speed", "gradients_memory", "gradients_collection",
     "explain", "PlanReport", "Budget", "profile_op_seconds", "recompute",
-    "minimize",
+    "minimize", "wrap_model", "unwrap_model", "is_wrapped",
     "patch", "unpatch", "is_patched", "original_gradients",
     "MemsaveGradsError", "InvalidArgumentError", "InvalidTypeError", "UnknownStrategyError",
     "CheckpointNotOnPathError", "NoCheckpointsFoundError", "UnsupportedGraphError",

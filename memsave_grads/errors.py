@@ -12,6 +12,12 @@ from __future__ import annotations
 class MemsaveGradsError(Exception):
     """Base class of every error raised by memsave_grads."""
 
+    # AutoGraph (tf.function's default, and Keras 2's training function) re-raises an error
+    # from a converted function as the same type only when that type's __init__ is
+    # Exception.__init__; otherwise it raises a StagingError. The builtin bases (ValueError...)
+    # each have their own __init__, so without this line our errors lose their type there.
+    __init__ = Exception.__init__
+
 
 class InvalidArgumentError(MemsaveGradsError, ValueError):
     """An argument has the right type but a value we cannot use."""

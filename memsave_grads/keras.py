@@ -1,0 +1,401 @@
+"""Keras integration: make ``model.fit`` compute its gradients with memsave_grads.
+
+Keras trains inside a ``tf.function`` and differentiates with ``tf.GradientTape``, which
+:func:`memsave_grads.patch` does not reach. :func:`wrap_model` replaces the model's training
+step (on that one model object) by :func:`train_step`: the stock Keras step, with the one
+``tape.gradient`` call replaced by :func:`memsave_grads.gradients` on the traced graph.
+
+Both Keras 2 (``tf_keras``) and Keras 3 with the TensorFlow backend (``keras``, which is
+``tf.keras`` in TensorFlow >= 2.16) are supported. Neither is imported by this module: each is
+imported when a model of its kind is wrapped (docs/keras.md).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import tensorflow as tf
+from absl import logging
+
+from memsave_grads import _select
+from memsave_grads import _tf_graph
+from memsave_grads import api
+from memsave_grads import budgets
+from memsave_grads import errors
+
+KERAS2 = "Keras 2 (tf_keras)"
+KERAS3 = "Keras 3"
+_FALLBACKS = ("warn", "error")
+
+
+# --------------------------------------------------------------------------------------------
+# Which Keras, imported lazily
+# --------------------------------------------------------------------------------------------
+
+def _import_tf_keras():
+    try:
+        import tf_keras  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise errors.MissingDependencyError(
+            "model: this is a Keras 2 model, and memsave_grads.keras needs the tf_keras package "
+            "to train it, which could not be imported. Install it with `pip install tf-keras` "
+            "(or `pip install memsave-grads[keras]`).") from e
+    return tf_keras
+
+
+def _import_keras3():
+    try:
+        import keras  # pylint: disable=import-outside-toplevel
+        from keras.src.backend.tensorflow import trainer  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise errors.MissingDependencyError(
+            "model: this is a Keras 3 model, and memsave_grads.keras needs Keras 3 with its "
+            "TensorFlow backend (keras.src.backend.tensorflow), which could not be imported. "
+            "Install it with `pip install 'keras>=3'`, or use Keras 2: `pip install tf-keras`."
+        ) from e
+    return keras, trainer
+
+
+def _class_modules(model) -> list[str]:
+    return [getattr(cls, "__module__", "") or "" for cls in type(model).__mro__]
+
+
+def keras_version(model) -> str:
+    """:data:`KERAS2` or :data:`KERAS3` for a Keras model; our errors for anything else.
+
+    Raises:
+      InvalidTypeError: ``model`` is not a Keras ``Model``.
+      MissingDependencyError: the Keras package the model comes from cannot be imported.
+      InvalidArgumentError: a Keras 3 model on a backend other than TensorFlow.
+    """
+    modules = _class_modules(model)
+    if any(m == "tf_keras" or m.startswith("tf_keras.") for m in modules):
+        tf_keras = _import_tf_keras()
+        if isinstance(model, tf_keras.Model):
+            return KERAS2
+    elif any(m == "keras" or m.startswith("keras.") for m in modules):
+        keras, _ = _import_keras3()
+        if isinstance(model, keras.Model):
+            if keras.backend.backend() != "tensorflow":
+                raise errors.InvalidArgumentError(
+                    f"model: Keras 3 runs on the {keras.backend.backend()!r} backend; "
+                    "memsave_grads rewrites TensorFlow graphs, so it needs "
+                    "KERAS_BACKEND=tensorflow (set before importing keras).")
+            return KERAS3
+    raise errors.InvalidTypeError(
+        f"model: expected a Keras Model (tf_keras.Model for Keras 2, or keras.Model / tf.keras."
+        f"Model for Keras 3), got {type(model).__module__}.{type(model).__qualname__}: "
+        f"{model!r:.80}. For a custom training loop call memsave_grads.gradients in your own "
+        "tf.function instead.")
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+def _check_checkpoints(checkpoints) -> None:
+    """The strategy forms that make sense before the step is traced (no tensors yet)."""
+    if isinstance(checkpoints, budgets.Budget):
+        return
+    if budgets.is_budget_string(checkpoints):
+        budgets.Budget.parse(checkpoints)  # a malformed budget fails now, not at first fit
+        return
+    if isinstance(checkpoints, str):
+        if checkpoints not in _select.STRATEGIES:
+            raise errors.UnknownStrategyError(
+                f"checkpoints: unknown strategy {checkpoints!r}. Expected one of "
+                f"{sorted(_select.STRATEGIES)}, a budget ('budget:4GiB', 'budget:50%', "
+                "memsave_grads.Budget), or a list of name patterns.")
+        return
+    if isinstance(checkpoints, (list, tuple)):
+        for i, item in enumerate(checkpoints):
+            if not isinstance(item, str):
+                raise errors.InvalidTypeError(
+                    f"checkpoints[{i}]: expected a name pattern (str), got "
+                    f"{type(item).__name__}: {item!r:.80}. Keras traces the training step "
+                    "after wrap_model returns, so tensors of that graph do not exist yet; name "
+                    "the ops to keep with glob patterns such as '*dense_3*/Tanh'.")
+        if not checkpoints:
+            raise errors.InvalidArgumentError(
+                "checkpoints: got an empty list; pass name patterns, a strategy name or a "
+                "budget.")
+        return
+    raise errors.InvalidTypeError(
+        f"checkpoints: expected a strategy name, a budget or a list of name patterns, got "
+        f"{type(checkpoints).__name__}: {checkpoints!r:.80}.")
+
+
+def _check_fallback(fallback) -> None:
+    if fallback not in _FALLBACKS:
+        raise errors.InvalidArgumentError(
+            f"fallback: expected one of {list(_FALLBACKS)}, got {fallback!r}.")
+
+
+def _is_compiled(model, version: str) -> bool:
+    flag = "_is_compiled" if version == KERAS2 else "compiled"
+    return bool(getattr(model, flag, False)) and getattr(model, "optimizer", None) is not None
+
+
+def _stock_train_step(version: str):
+    if version == KERAS2:
+        return _import_tf_keras().Model.train_step
+    _, trainer = _import_keras3()
+    return trainer.TensorFlowTrainer.train_step
+
+
+def _check_model(model, version: str, action: str) -> None:
+    if version == KERAS2 and any(".training_v1" in m for m in _class_modules(model)):
+        raise errors.InvalidArgumentError(
+            f"model: {action}: this tf_keras model was built in a TF1 (v1) graph, where Keras "
+            "trains with tf.gradients and no train_step: use `with memsave_grads.patch("
+            "'memory'): model.fit(...)` there instead.")
+    if not _is_compiled(model, version):
+        raise errors.InvalidArgumentError(
+            f"model: {action}: the model is not compiled (no optimizer yet). Call "
+            "model.compile(optimizer=..., loss=...) first; compiling again later keeps the "
+            "wrapping.")
+    if model.run_eagerly:
+        raise errors.InvalidArgumentError(
+            f"model: {action}: the model runs eagerly (run_eagerly=True, a dynamic model, or "
+            "tf.config.run_functions_eagerly(True)); memsave_grads rewrites the traced graph of "
+            "the training step, which eager execution does not build. Compile with "
+            "run_eagerly=False.")
+    if type(model).train_step is not _stock_train_step(version):
+        raise errors.InvalidArgumentError(
+            f"model: {action}: {type(model).__qualname__} defines its own train_step, which "
+            "wrap_model would silently replace. Call memsave_grads.keras.train_step(self, data) "
+            "from it, or call memsave_grads.gradients where it calls tape.gradient.")
+
+
+# --------------------------------------------------------------------------------------------
+# The training step
+# --------------------------------------------------------------------------------------------
+
+def _gradients(loss, variables, checkpoints, fallback):
+    """memsave_grads.gradients, or tf.gradients where the strategy has nothing to gain."""
+    try:
+        return api.gradients(loss, variables, checkpoints=checkpoints)
+    except errors.FALLBACK_ERRORS as exc:
+        if fallback == "error":
+            raise
+        logging.warning("memsave_grads.keras: falling back to tf.gradients: %s", exc)
+        handles = [tf.convert_to_tensor(v.handle) for v in variables]
+        return _tf_graph.ORIGINAL_GRADIENTS(loss, handles)
+
+
+def _check_step(model) -> None:
+    if tf.executing_eagerly():
+        raise errors.EagerExecutionError(
+            "model: memsave_grads.keras.train_step ran eagerly; it rewrites the traced graph of "
+            "the training step. Compile with run_eagerly=False (and leave "
+            "tf.config.run_functions_eagerly off), or call it inside a tf.function.")
+    if getattr(model, "jit_compile", False):
+        raise errors.InvalidArgumentError(
+            "model: jit_compile is on; XLA schedules the step itself and may merge the "
+            "recomputed ops with the forward ones they copy, undoing the memory saving. Compile "
+            "with jit_compile=False (wrap_model turns it off by itself).")
+    if getattr(model, "optimizer", None) is None:
+        raise errors.InvalidArgumentError(
+            "model: the model has no optimizer. Call model.compile(optimizer=..., loss=...) "
+            "first.")
+
+
+def _train_step_keras2(model, data, checkpoints, fallback):
+    tf_keras = _import_tf_keras()
+    x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
+    y_pred = model(x, training=True)
+    loss = model.compute_loss(x, y, y_pred, sample_weight)
+    if hasattr(model, "_validate_target_and_loss"):
+        model._validate_target_and_loss(y, loss)  # pylint: disable=protected-access
+    optimizer = model.optimizer
+    variables = list(model.trainable_variables)
+    # What optimizer.minimize(loss, variables, tape=tape) does, with our gradients; a
+    # LossScaleOptimizer (Keras 2, legacy or not) scales the loss and unscales the gradients.
+    loss_scaled = hasattr(optimizer, "get_scaled_loss") and hasattr(
+        optimizer, "get_unscaled_gradients")
+    target = optimizer.get_scaled_loss(loss) if loss_scaled else loss
+    grads = _gradients(target, variables, checkpoints, fallback)
+    if loss_scaled:
+        grads = optimizer.get_unscaled_gradients(grads)
+    optimizer.apply_gradients(zip(grads, variables))
+    return model.compute_metrics(x, y, y_pred, sample_weight)
+
+
+def _train_step_keras3(model, data, checkpoints, fallback):
+    # TensorFlowTrainer.train_step of Keras 3 (keras/src/backend/tensorflow/trainer.py), with
+    # tape.gradient replaced; a LossScaleOptimizer scales in scale_loss and unscales (and skips
+    # non-finite steps) in apply_gradients, as in the stock step.
+    keras, _ = _import_keras3()
+    from keras.src.losses import loss as loss_module  # pylint: disable=import-outside-toplevel
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    # pylint: disable=protected-access
+    if getattr(model, "_call_has_training_arg", True):
+        y_pred = model(x, training=True)
+    else:
+        y_pred = model(x)
+    if hasattr(model, "_compute_loss"):
+        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                   training=True)
+    else:
+        loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+    first_input = next(i for i in tf.nest.flatten(x) if i is not None)
+    model._loss_tracker.update_state(loss_module.unscale_loss_for_distribution(loss),
+                                     sample_weight=tf.shape(first_input)[0])
+    # pylint: enable=protected-access
+    if model.optimizer is not None:
+        loss = model.optimizer.scale_loss(loss)
+    if model.trainable_weights:
+        variables = list(model.trainable_weights)
+        grads = _gradients(loss, variables, checkpoints, fallback)
+        model.optimizer.apply_gradients(zip(grads, variables))
+    else:
+        logging.warning("memsave_grads.keras: the model has no trainable weights.")
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def train_step(model, data, checkpoints="memory", fallback: str = "warn"):
+    """One Keras training step whose gradients come from :func:`memsave_grads.gradients`.
+
+    The stock ``Model.train_step`` of the model's Keras (2 or 3): unpack ``(x, y,
+    sample_weight)``, forward with ``training=True``, the model's loss (``compute_loss``: the
+    compiled loss plus ``model.losses``), gradients of it with respect to the trainable
+    variables, ``model.optimizer.apply_gradients`` (a ``LossScaleOptimizer`` scales the loss
+    and unscales the gradients as in the stock step), then the metrics as the stock step
+    returns them. Call it where Keras traces the step (``Model.fit``'s ``tf.function``), e.g.
+    from your own ``train_step``::
+
+        class MyModel(tf_keras.Model):
+            def train_step(self, data):
+                return memsave_grads.keras.train_step(self, data, checkpoints="memory")
+
+    Args:
+      model: a compiled Keras model (tf_keras, or Keras 3 with the TensorFlow backend).
+      data: the batch Keras passes to ``train_step``.
+      checkpoints: as in :func:`memsave_grads.gradients`, without tensors (name patterns are
+        fine).
+      fallback: ``"warn"``: where the strategy finds nothing to keep (``NoCheckpointsFoundError``)
+        or cannot rewrite the graph, log a warning and use ``tf.gradients``; ``"error"``: raise.
+
+    Returns:
+      The dict of metric results the stock step returns.
+
+    Raises:
+      EagerExecutionError: called eagerly (``run_eagerly=True``).
+      InvalidArgumentError: the model uses ``jit_compile=True`` or has no optimizer.
+    """
+    version = keras_version(model)
+    _check_step(model)
+    if version == KERAS2:
+        return _train_step_keras2(model, data, checkpoints, fallback)
+    return _train_step_keras3(model, data, checkpoints, fallback)
+
+
+# --------------------------------------------------------------------------------------------
+# wrap_model / unwrap_model
+# --------------------------------------------------------------------------------------------
+
+class _WrappedTrainStep:
+    """What ``model.train_step`` becomes on a wrapped model (an instance attribute)."""
+
+    def __init__(self, model, checkpoints, fallback):
+        self._model = weakref.ref(model)  # no reference cycle through the model's __dict__
+        self.checkpoints = checkpoints
+        self.fallback = fallback
+
+    def __call__(self, data):
+        return train_step(self._model(), data, checkpoints=self.checkpoints,
+                          fallback=self.fallback)
+
+    def __repr__(self):
+        return (f"<memsave_grads train_step checkpoints={self.checkpoints!r} "
+                f"fallback={self.fallback!r}>")
+
+
+class _MakeTrainFunction:
+    """``model.make_train_function`` on a wrapped model: turns XLA off before Keras builds the
+    training function (a later ``compile()`` may have turned it on again)."""
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+
+    def __call__(self, force=False):
+        model = self._model()
+        _turn_off_jit_compile(model)
+        return type(model).make_train_function(model, force)
+
+
+def _turn_off_jit_compile(model) -> None:
+    if getattr(model, "jit_compile", False):
+        logging.warning(
+            "memsave_grads.keras: turning jit_compile off for %s: XLA schedules the training "
+            "step itself and may merge the recomputed ops with the forward ones they copy.",
+            model.name)
+        model.jit_compile = False
+
+
+def is_wrapped(model) -> bool:
+    """Whether :func:`wrap_model` has wrapped this model object."""
+    return isinstance(getattr(model, "__dict__", {}).get("train_step"), _WrappedTrainStep)
+
+
+def wrap_model(model, checkpoints="memory", fallback: str = "warn"):
+    """Make ``model.fit`` (and ``train_on_batch``) compute gradients with memsave_grads.
+
+    Patches **this model object in place** and returns it: its ``train_step`` becomes
+    :func:`train_step` with these arguments, and its ``make_train_function`` turns
+    ``jit_compile`` off before Keras builds the training function (XLA may undo the
+    recomputation schedule). The cached training function is dropped, so the next ``fit``
+    traces the new step. The class, other models, ``evaluate`` and ``predict`` are unchanged;
+    compiling again keeps the wrapping; :func:`unwrap_model` undoes it. Saved models do not
+    remember it (wrap again after loading). Wrapping a wrapped model replaces its settings.
+
+    Args:
+      model: a compiled Keras model: tf_keras (Keras 2), or Keras 3 (``keras`` / ``tf.keras``
+        in TF >= 2.16) with the TensorFlow backend, whose class does not define its own
+        ``train_step`` (call :func:`train_step` from yours instead).
+      checkpoints: as in :func:`memsave_grads.gradients`: ``"memory"`` (default), ``"speed"``,
+        a budget, or a list of op-name patterns (not tensors: the step is traced later).
+      fallback: ``"warn"`` (default) or ``"error"``; see :func:`train_step`.
+
+    Returns:
+      ``model`` itself.
+
+    Raises:
+      InvalidTypeError: not a Keras model, or checkpoints of a type we cannot use.
+      InvalidArgumentError: not compiled, running eagerly, built in a TF1 graph, defining its
+        own ``train_step``, or a bad ``fallback``; UnknownStrategyError for an unknown name.
+      MissingDependencyError: its Keras package cannot be imported.
+    """
+    version = keras_version(model)
+    _check_checkpoints(checkpoints)
+    _check_fallback(fallback)
+    _check_model(model, version, "wrap_model")
+    if is_wrapped(model):
+        logging.info("memsave_grads.keras: re-wrapping %s with checkpoints=%r", model.name,
+                     checkpoints)
+    _turn_off_jit_compile(model)
+    model.train_step = _WrappedTrainStep(model, checkpoints, fallback)
+    model.make_train_function = _MakeTrainFunction(model)
+    model.train_function = None
+    logging.info("memsave_grads.keras: wrapped %s (%s), checkpoints=%r", model.name, version,
+                 checkpoints)
+    return model
+
+
+def unwrap_model(model):
+    """Undo :func:`wrap_model`: the model trains with its class's ``train_step`` again.
+
+    ``jit_compile`` stays off. Returns ``model``.
+
+    Raises:
+      InvalidArgumentError: the model is not wrapped.
+    """
+    keras_version(model)
+    if not is_wrapped(model):
+        raise errors.InvalidArgumentError(
+            f"model: unwrap_model: {getattr(model, 'name', model)!r} is not wrapped; "
+            "check memsave_grads.keras.is_wrapped(model).")
+    for attr in ("train_step", "make_train_function"):
+        model.__dict__.pop(attr, None)
+    model.train_function = None
+    return model
