@@ -57,6 +57,30 @@ def test_example_runs(script):
     assert losses[-1] < losses[0], losses
 
 
+SMALL_EXAMPLES = {
+    "lstm.py": ["--steps", "20", "--batch", "4", "--features", "8", "--units", "16",
+                "--repeats", "1"],
+    "keras_fit.py": ["--depth", "4", "--width", "32", "--batch", "32", "--epochs", "2",
+                     "--steps_per_epoch", "2"],
+    "distributed.py": ["--steps", "2", "--depth", "3", "--width", "16", "--batch", "8"],
+    "early_release.py": ["--width", "128", "--depth", "3", "--batch", "4", "--runs", "1"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(SMALL_EXAMPLES))
+def test_integration_example_runs(script):
+    """Every example runs (small sizes) and prints what it measured, without a traceback."""
+    proc = _run([str(ROOT / "examples" / script), *SMALL_EXAMPLES[script]], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip(), proc.stderr[-3000:]
+    assert "nan" not in proc.stdout.lower().split(), proc.stdout
+
+
+def test_every_example_is_smoke_tested():
+    scripts = {p.name for p in (ROOT / "examples").glob("*.py")}
+    assert scripts == set(SMALL_EXAMPLES) | {"session_loop.py", "tf_function_loop.py"}
+
+
 def _elementwise_chain() -> _bench.ModelSpec:
     """No matmul at all: the 'speed' strategy has nothing to keep."""
 
