@@ -24,6 +24,7 @@ function runs as it is and saves nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from typing import Callable, Sequence
@@ -104,14 +105,20 @@ def _recomputed(fn: Callable, args: tuple):
     return forward(*args)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What the backward pass copies (``replayed``, in creation order, which is topological)
-    and what it reads from the forward pass (``kept``: stateful outputs and values from outside
-    the function)."""
+    """What the backward pass copies, and which forward values stand for variables.
 
-    def __init__(self, replayed, kept_reads):
-        self.replayed = replayed
-        self.kept_reads = kept_reads  # ReadVariableOp outputs: the gradients of variables
+    Attributes:
+      replayed: the function's replayable ops the outputs need, in creation order (which is
+        topological). Everything else they read (stateful outputs, values from outside the
+        function) is read from the forward pass.
+      kept_reads: outputs of the function's ``ReadVariableOp``s; a variable's gradient is the
+        sum of its reads' gradients.
+    """
+
+    replayed: list
+    kept_reads: list
 
 
 def _plan(forward_ops, inputs, outputs, fn_name) -> _Plan:
@@ -137,19 +144,17 @@ def _plan(forward_ops, inputs, outputs, fn_name) -> _Plan:
 def _check_kept(kept, own, inputs, fn_name) -> None:
     """A kept stateful op must not read a differentiable value computed from the inputs: its
     gradient would need the op's forward inputs, which is what recompute does not store."""
-    input_ops = {t.op for t in inputs}
+    # Ops of the function downstream of an input (walked forward through consumers).
+    downstream, stack = set(), [c for t in inputs for c in t.consumers() if c in own]
+    while stack:
+        op = stack.pop()
+        if op not in downstream:
+            downstream.add(op)
+            stack.extend(c for out in op.outputs for c in out.consumers() if c in own)
     input_refs = {t.ref() for t in inputs}
-    depends: dict = {}
 
     def from_inputs(t) -> bool:
-        if t.ref() in input_refs:
-            return True
-        if t.op not in own or t.op in input_ops:
-            return False
-        if t.op not in depends:
-            depends[t.op] = False  # cycles cannot occur in a graph; guards recursion
-            depends[t.op] = any(from_inputs(i) for i in t.op.inputs)
-        return depends[t.op]
+        return t.ref() in input_refs or t.op in downstream
 
     for op in kept:
         for t in op.inputs:
