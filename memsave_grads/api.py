@@ -10,6 +10,7 @@ from absl import logging
 from memsave_grads import _select
 from memsave_grads import _stitch
 from memsave_grads import _tf_graph
+from memsave_grads import budgets
 from memsave_grads import errors
 
 #: Keyword arguments of tf.gradients we pass through (``name`` included).
@@ -179,6 +180,40 @@ def _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
     return _Prepared(graph=graph, ys=ys, xs=xs, grad_ys=grad_ys, user_stops=user_stops,
                      tf_kwargs=kwargs, unconnected=unconnected, scope=scope, selection=ctx,
                      chosen=chosen, kept=kept)
+
+
+#: What a caller that wraps tf.gradients (patch, Keras) does where we have nothing to gain.
+FALLBACKS = ("warn", "error")
+
+
+def check_deferred_options(checkpoints, fallback: str) -> None:
+    """Validate, before any graph exists, what a later ``gradients_or_fallback`` call will use:
+    ``fallback``, a strategy name, a budget string. (Tensors and patterns are checked when the
+    graph is there.)"""
+    if fallback not in FALLBACKS:
+        raise errors.InvalidArgumentError(
+            f"fallback: expected one of {list(FALLBACKS)}, got {fallback!r}.")
+    if budgets.is_budget_string(checkpoints):
+        budgets.Budget.parse(checkpoints)  # a malformed budget fails now, not at first use
+    elif isinstance(checkpoints, str) and checkpoints not in _select.STRATEGIES:
+        raise errors.UnknownStrategyError(
+            f"checkpoints: unknown strategy {checkpoints!r}. Expected one of "
+            f"{sorted(_select.STRATEGIES)}, a budget ('budget:4GiB', 'budget:50%', "
+            "memsave_grads.Budget), a list of tensors, or a list of name patterns.")
+
+
+def gradients_or_fallback(ys, xs, grad_ys, checkpoints, fallback: str, caller: str,
+                          **tf_gradients_kwargs):
+    """:func:`gradients`, or the original ``tf.gradients`` where the strategy has nothing to
+    gain or the graph cannot be rewritten (``errors.FALLBACK_ERRORS``): logged for
+    ``fallback="warn"``, raised for ``"error"``."""
+    try:
+        return gradients(ys, xs, grad_ys, checkpoints=checkpoints, **tf_gradients_kwargs)
+    except errors.FALLBACK_ERRORS as exc:
+        if fallback == "error":
+            raise
+        logging.warning("%s: falling back to tf.gradients: %s", caller, exc)
+        return _tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
 
 
 def _shortcut(strategy: str):

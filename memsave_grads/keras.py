@@ -17,15 +17,12 @@ import weakref
 import tensorflow as tf
 from absl import logging
 
-from memsave_grads import _select
-from memsave_grads import _tf_graph
 from memsave_grads import api
 from memsave_grads import budgets
 from memsave_grads import errors
 
 KERAS2 = "Keras 2 (tf_keras)"
 KERAS3 = "Keras 3"
-_FALLBACKS = ("warn", "error")
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,20 +90,10 @@ def keras_version(model) -> str:
 # Validation
 # --------------------------------------------------------------------------------------------
 
-def _check_checkpoints(checkpoints) -> None:
-    """The strategy forms that make sense before the step is traced (no tensors yet)."""
-    if isinstance(checkpoints, budgets.Budget):
-        return
-    if budgets.is_budget_string(checkpoints):
-        budgets.Budget.parse(checkpoints)  # a malformed budget fails now, not at first fit
-        return
-    if isinstance(checkpoints, str):
-        if checkpoints not in _select.STRATEGIES:
-            raise errors.UnknownStrategyError(
-                f"checkpoints: unknown strategy {checkpoints!r}. Expected one of "
-                f"{sorted(_select.STRATEGIES)}, a budget ('budget:4GiB', 'budget:50%', "
-                "memsave_grads.Budget), or a list of name patterns.")
-        return
+def _check_options(checkpoints, fallback) -> None:
+    """What can be checked before Keras traces the step; tensors of that graph do not exist
+    yet, so a list must hold name patterns."""
+    api.check_deferred_options(checkpoints, fallback)
     if isinstance(checkpoints, (list, tuple)):
         for i, item in enumerate(checkpoints):
             if not isinstance(item, str):
@@ -119,16 +106,10 @@ def _check_checkpoints(checkpoints) -> None:
             raise errors.InvalidArgumentError(
                 "checkpoints: got an empty list; pass name patterns, a strategy name or a "
                 "budget.")
-        return
-    raise errors.InvalidTypeError(
-        f"checkpoints: expected a strategy name, a budget or a list of name patterns, got "
-        f"{type(checkpoints).__name__}: {checkpoints!r:.80}.")
-
-
-def _check_fallback(fallback) -> None:
-    if fallback not in _FALLBACKS:
-        raise errors.InvalidArgumentError(
-            f"fallback: expected one of {list(_FALLBACKS)}, got {fallback!r}.")
+    elif not isinstance(checkpoints, (str, budgets.Budget)):
+        raise errors.InvalidTypeError(
+            f"checkpoints: expected a strategy name, a budget or a list of name patterns, got "
+            f"{type(checkpoints).__name__}: {checkpoints!r:.80}.")
 
 
 def _is_compiled(model, version: str) -> bool:
@@ -172,15 +153,8 @@ def _check_model(model, version: str, action: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 def _gradients(loss, variables, checkpoints, fallback):
-    """memsave_grads.gradients, or tf.gradients where the strategy has nothing to gain."""
-    try:
-        return api.gradients(loss, variables, checkpoints=checkpoints)
-    except errors.FALLBACK_ERRORS as exc:
-        if fallback == "error":
-            raise
-        logging.warning("memsave_grads.keras: falling back to tf.gradients: %s", exc)
-        handles = [tf.convert_to_tensor(v.handle) for v in variables]
-        return _tf_graph.ORIGINAL_GRADIENTS(loss, handles)
+    return api.gradients_or_fallback(loss, variables, None, checkpoints, fallback,
+                                     "memsave_grads.keras")
 
 
 def _check_step(model) -> None:
@@ -367,8 +341,7 @@ def wrap_model(model, checkpoints="memory", fallback: str = "warn"):
       MissingDependencyError: its Keras package cannot be imported.
     """
     version = keras_version(model)
-    _check_checkpoints(checkpoints)
-    _check_fallback(fallback)
+    _check_options(checkpoints, fallback)
     _check_model(model, version, "wrap_model")
     if is_wrapped(model):
         logging.info("memsave_grads.keras: re-wrapping %s with checkpoints=%r", model.name,

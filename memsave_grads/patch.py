@@ -16,13 +16,10 @@ import threading
 import tensorflow as tf
 from absl import logging
 
-from memsave_grads import _select
 from memsave_grads import _tf_graph
 from memsave_grads import api
-from memsave_grads import budgets
 from memsave_grads import errors
 
-_FALLBACKS = ("warn", "error")
 _lock = threading.Lock()
 _active = None  # the live _Patch, if any
 
@@ -51,13 +48,8 @@ class _Patch:
         """What every patched name does: memsave_grads, or the original where it must."""
         if _active is not self:  # a stale reference kept past unpatch()
             return _tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **kwargs)
-        try:
-            return api.gradients(ys, xs, grad_ys, checkpoints=self.checkpoints, **kwargs)
-        except errors.FALLBACK_ERRORS as exc:
-            if self.fallback == "error":
-                raise
-            logging.warning("memsave_grads: falling back to tf.gradients: %s", exc)
-            return _tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **kwargs)
+        return api.gradients_or_fallback(ys, xs, grad_ys, self.checkpoints, self.fallback,
+                                         "memsave_grads", **kwargs)
 
     def _make_v1_wrapper(self):
         @tf.autograph.experimental.do_not_convert
@@ -134,16 +126,7 @@ def patch(checkpoints="memory", fallback: str = "warn") -> _Patch:
       PatchStateError: already patched (call ``unpatch()`` first).
     """
     global _active
-    if fallback not in _FALLBACKS:
-        raise errors.InvalidArgumentError(
-            f"fallback: expected one of {list(_FALLBACKS)}, got {fallback!r}.")
-    if budgets.is_budget_string(checkpoints):
-        budgets.Budget.parse(checkpoints)  # a malformed budget fails now, not at first use
-    elif isinstance(checkpoints, str) and checkpoints not in _select.STRATEGIES:
-        raise errors.UnknownStrategyError(
-            f"checkpoints: unknown strategy {checkpoints!r}. Expected one of "
-            f"{sorted(_select.STRATEGIES)}, a budget ('budget:4GiB', 'budget:50%'), a list of "
-            "tensors, or a list of name patterns.")
+    api.check_deferred_options(checkpoints, fallback)
     with _lock:
         if _active is not None:
             raise errors.PatchStateError(

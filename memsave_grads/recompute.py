@@ -201,36 +201,34 @@ def _differentiable(t) -> bool:
 
 def _variable_grads(variables, reads, read_grads):
     """Sum the gradients of each variable's reads inside the function."""
+    captured_by: dict = {}  # graph -> {id(internal placeholder): external tensor}
+    handles = [_outermost(read.op.inputs[0], captured_by) for read in reads]
     sums = []
     for variable in variables:
-        parts = [g for read, g in zip(reads, read_grads)
-                 if g is not None and _reads_variable(read.op, variable)]
-        parts = [tf.convert_to_tensor(g) for g in parts]  # IndexedSlices from gathers
+        parts = [tf.convert_to_tensor(g)  # IndexedSlices from gathers
+                 for handle, g in zip(handles, read_grads)
+                 if g is not None and _same_tensor(handle, variable.handle)]
         sums.append(tf.add_n(parts) if len(parts) > 1 else (parts[0] if parts else None))
     return sums
 
 
-def _reads_variable(read_op: tf.Operation, variable: tf.Variable) -> bool:
-    """Whether ``read_op`` reads ``variable``: follow the handle through the captures of
-    nested function graphs (a while body inside a tf.function) to the variable's own handle."""
-    handle = read_op.inputs[0]
-    target = variable.handle
-    while not _tf_graph.is_eager_tensor(handle):
-        if handle is target or (not _tf_graph.is_eager_tensor(target)
-                                and handle.graph is target.graph and handle.name == target.name):
-            return True
+def _outermost(handle, captured_by: dict):
+    """Follow a captured placeholder out through nested function graphs (a while body inside a
+    tf.function) to the tensor it stands for: a variable's own handle."""
+    while not _tf_graph.is_eager_tensor(handle) and isinstance(handle.graph,
+                                                               func_graph_lib.FuncGraph):
         graph = handle.graph
-        if not isinstance(graph, func_graph_lib.FuncGraph):
-            return False
-        external = _external_of(graph, handle)
+        if graph not in captured_by:
+            captured_by[graph] = {id(internal): external for external, internal in graph.captures}
+        external = captured_by[graph].get(id(handle))
         if external is None:
-            return False
+            break
         handle = external
-    return handle is target
+    return handle
 
 
-def _external_of(graph, internal):
-    for external, captured in graph.captures:
-        if captured is internal:
-            return external
-    return None
+def _same_tensor(a, b) -> bool:
+    if a is b:
+        return True
+    eager = _tf_graph.is_eager_tensor
+    return not eager(a) and not eager(b) and a.graph is b.graph and a.name == b.name
