@@ -175,9 +175,10 @@ def comparison_table(rows: Sequence[Row], solver_names: Sequence[str] = SOLVER_N
 
 
 NOTES = """cost: recomputed FLOPs of the plan (static shapes), and its ratio to the cheapest plan any
-solver found for that budget; "opt": the solver proved its plan optimal within its own search
-space (dp: plans made of cuts, under its decomposed peak), not over all plans.
-budget: a fraction of tf.gradients' predicted peak. greedy is the default solver; dp plans
-cuts exactly under a decomposed peak (then checked by the replay); milp searches kept sets with
-a lower bound of the replay's peak, excluding or repairing plans the replay rejects (design note
+solver found for that budget; "opt": the solver proved its plan optimal (milp: over all kept
+sets, under the replay; dp: only over plans made of cuts, under its decomposed peak).
+budget: a fraction of tf.gradients' predicted peak. greedy is the default solver (cut search,
+fast DP seeds, fill; under a second); dp plans cuts exactly under a decomposed peak (then
+checked by the replay); milp searches kept sets under a valid relaxation of the replay's peak,
+excluding plans the replay rejects until the best plan found meets its lower bound (design note
 "budget solvers")."""

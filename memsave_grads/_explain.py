@@ -137,6 +137,12 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
                                   sum(model.size_bytes[v] for v in nodes)))
     chosen = sorted((op for op in prepared.chosen if op in index), key=index.get)
     recomputed = segs.replayed()
+    peak = memory_model.plan_peak_bytes(model, kept, not_replayed)
+    recompute_flops = sum(model.cost_of(v) for v in recomputed)
+    if getattr(ctx.plan, "nested", None):  # multi-level plan (design note "multi-level")
+        from memsave_grads import multilevel  # pylint: disable=import-outside-toplevel
+        peak, recompute_flops = multilevel.replay(
+            model, multilevel.NestedPlan(frozenset(kept), ctx.plan.nested), not_replayed)
     return PlanReport(
         checkpoints=checkpoints,
         forward_ops=len(ctx.region),
@@ -145,10 +151,10 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
         kept_bytes=sum(model.size_bytes[v] for v in kept),
         top_segment_ops=len(segs.top),
         levels=tuple(lv for lv in levels if lv.recomputed_ops),
-        predicted_peak_bytes=memory_model.plan_peak_bytes(model, kept, not_replayed),
+        predicted_peak_bytes=peak,
         predicted_plain_peak_bytes=memory_model.plain_peak_bytes(model),
         unknown_dimensions=ctx.unknown_dimensions,
-        recompute_flops=sum(model.cost_of(v) for v in recomputed),
+        recompute_flops=recompute_flops,
         forward_flops=sum(model.cost_of(v) for v in range(model.num_nodes)),
         budget_bytes=getattr(ctx.plan, "budget_bytes", None),
     )

@@ -142,9 +142,15 @@ class _Backprop:
 def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence,
              region: Sequence[tf.Operation], kept: Iterable[tf.Operation],
              user_stops: Sequence[tf.Tensor], tf_kwargs: dict, unconnected_zero: bool,
-             scope_prefix: str) -> list:
-    """Gradients of ``ys`` w.r.t. ``xs`` with every non-top segment recomputed."""
+             scope_prefix: str, nested: dict | None = None) -> list:
+    """Gradients of ``ys`` w.r.t. ``xs`` with every non-top segment recomputed.
+
+    ``nested`` (multi-level plans, design note "multi-level"): for a kept op, ``(sub_kept,
+    sub_nested)``: ops of its segment kept while the segment is replayed, and their own nested
+    plans. Such a level recurses into this function over its copies.
+    """
     state = _Backprop(region, kept, xs)
+    nested = nested or {}
 
     # Level 0: the top segment, through the original ops.
     top_targets, top_grads, top_seeds, extra_sources = [], [], [], []
@@ -221,7 +227,11 @@ def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence
         original_sources = state.sources([op for op, _ in active if op not in copies])
         sources = copied_sources + original_sources
         readers = [boundaries[t.ref()] for t in copied_sources] + original_sources
-        state.run(targets, target_grads, sources, user_stops, tf_kwargs, readers=readers)
+        if any(op in nested for op in replayed):
+            _nested_level(state, nested, replayed, copies, active, copied_sources, boundaries,
+                          original_sources, user_stops, tf_kwargs, scope)
+        else:
+            state.run(targets, target_grads, sources, user_stops, tf_kwargs, readers=readers)
         logging.vlog(1, "memsave_grads: level %s: %d kept ops, %d ops recomputed",
                      lvl, len(active), len(to_copy))
 
@@ -232,3 +242,58 @@ def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence
             g = _zeros_like(x)
         results.append(g)
     return results
+
+
+def _translate(nested: dict, copies: dict) -> dict:
+    """A nested plan of original ops, in terms of their copies."""
+    return {copies[k]: (frozenset(copies[s] for s in sub if s in copies),
+                        _translate(children, copies))
+            for k, (sub, children) in nested.items() if k in copies}
+
+
+def _nested_level(state: _Backprop, nested: dict, replayed, copies: dict, active,
+                  copied_sources, boundaries: dict, original_sources, user_stops, tf_kwargs,
+                  scope: str) -> None:
+    """A level whose segments have their own checkpoints (design note "multi-level").
+
+    The level's copies are a region of their own: ys = the copied kept outputs, grad_ys = their
+    gradients, xs = the boundaries, kept = the copies of the sub-kept ops. ``backprop`` on it
+    keeps only those while the copies run forward (their roots wait for the level's gradients,
+    note "scheduling") and copies each sub-segment once more, later, recursively.
+    """
+    active_copies = {copies[op] for op in replayed}
+    sub_kept, sub_nested = set(), {}
+    for op in replayed:
+        if op in nested:
+            sub, children = nested[op]
+            sub_kept |= {copies[s] for s in sub if s in copies} - active_copies
+            sub_nested.update(_translate(children, copies))
+    targets, target_grads, original_targets, original_grads = [], [], [], []
+    for op, ds in active:
+        produced = copies.get(op)
+        for i, d in enumerate(ds):
+            if d is None:
+                continue
+            if produced is not None:
+                targets.append(produced.outputs[i])
+                target_grads.append(d)
+            else:
+                original_targets.append(op.outputs[i])
+                original_grads.append(d)
+    readers = [boundaries[t.ref()] for t in copied_sources]
+    region = sorted(copies.values(), key=lambda o: o._id)  # pylint: disable=protected-access
+    grads = backprop(targets, readers, target_grads, region, sub_kept, user_stops, tf_kwargs,
+                     unconnected_zero=False, scope_prefix=f"{scope}/nested",
+                     nested={k: v for k, v in sub_nested.items() if k in sub_kept})
+    for t, g in zip(copied_sources, grads):
+        if g is not None:
+            state.partials[t.ref()].append(g)
+    state.run(original_targets, original_grads, original_sources, user_stops, tf_kwargs)
+
+
+def nested_ops(children, region: Sequence[tf.Operation]) -> dict:
+    """``multilevel.NestedPlan`` children (node indices of ``region``) as ``backprop``'s
+    ``nested`` argument (ops)."""
+    return {region[k]: (frozenset(region[s] for s in child.kept),
+                        nested_ops(child.children, region))
+            for k, child in (children or {}).items()}

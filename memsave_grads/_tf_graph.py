@@ -202,13 +202,25 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
         params.append(sum(tensor_bytes(t) for t in op.inputs
                           if t.dtype != tf.resource and (t.ref() in x_refs or (
                               t.op in index and t.op.type in policies.ALIAS_OP_TYPES))))
+    # Which inputs each gradient reads: an input needed only for a constant's gradient is not
+    # read (``0.5 * x``), since that gradient is pruned from the step.
+    reads_inputs = [policies.gradient_reads_inputs(op.type) for op in region]
+    unread = []
+    for op in region:
+        differentiable = [carries_gradients(t) and (t.op in index or t.ref() in x_refs)
+                          for t in op.inputs]
+        read = {}
+        for i, t in enumerate(op.inputs):
+            if t.op in index:
+                read[index[t.op]] = read.get(index[t.op], False) or \
+                    policies.gradient_reads_input(op.type, i, differentiable)
+        unread.append(frozenset(p for p, r in read.items() if not r))
     # A view (reshape, identity) costs no bytes, but "reads" its input whenever a consumer's
     # gradient reads the view: that keeps the shared buffer alive in the memory model.
-    reads_inputs = [policies.gradient_reads_inputs(op.type) for op in region]
     for i in reversed(range(len(region))):
         if region[i].type in policies.VIEW_OP_TYPES:
-            reads_inputs[i] = any(reads_inputs[index[c]] for t in region[i].outputs
-                                  for c in t.consumers() if c in index)
+            reads_inputs[i] = any(reads_inputs[index[c]] and i not in unread[index[c]]
+                                  for t in region[i].outputs for c in t.consumers() if c in index)
     return graph_lib.ForwardGraph(
         inputs=tuple(inputs),
         size_bytes=tuple(0 if op.type in policies.ALIAS_OP_TYPES else op_bytes(op)
@@ -222,4 +234,7 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
         param_bytes=tuple(params),
         views=tuple(op.type in policies.VIEW_OP_TYPES for op in region),
         flops=tuple(op_flops(op) for op in region),
+        unread_inputs=tuple(frozenset(u) if reads else frozenset()
+                            for u, reads in zip(unread, reads_inputs)),
+        forwards=tuple(policies.forwards_input_buffer(op.type) for op in region),
     )

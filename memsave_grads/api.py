@@ -120,7 +120,9 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **tf_gradients_kwa
             prepared.ys, prepared.xs, prepared.grad_ys, prepared.region, prepared.kept,
             prepared.user_stops, prepared.tf_kwargs,
             unconnected_zero=prepared.unconnected == tf.UnconnectedGradients.ZERO,
-            scope_prefix=f"{prepared.scope}_memsave")
+            scope_prefix=f"{prepared.scope}_memsave",
+            nested=_stitch.nested_ops(getattr(prepared.selection.plan, "nested", None),
+                                      prepared.region))  # design note "multi-level"
 
 
 @dataclasses.dataclass

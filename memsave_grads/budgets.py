@@ -194,11 +194,14 @@ class BudgetPlan:
       solver: the solver's name.
       optimal: the solver proved that no plan *of its search space* within the budget
         recomputes less: for ``"dp"``, plans made of cuts, under its decomposed peak; for
-        ``"milp"``, any kept set, under the replay (its lower-bound rows
-        below the top segment hold on chains of segments). ``False`` for the heuristic and for exact
-        solvers that stopped early or had to repair their answer.
+        ``"milp"``, any kept set, under the replay (proven with a valid relaxation of the
+        replay's peak: tests/test_solvers.py checks it against brute force). ``False`` for
+        the heuristic and for exact solvers that stopped early or had to repair their answer.
       solve_seconds: wall time of the solver.
       budget_bytes: the budget it was solved for.
+      nested: for multi-level plans (solver ``"revolve"``), the sub-plan
+        (``multilevel.NestedPlan``) of each kept node whose segment has its own checkpoints;
+        empty for single-level plans (design note "multi-level").
     """
 
     kept: frozenset
@@ -208,6 +211,7 @@ class BudgetPlan:
     optimal: bool = False
     solve_seconds: float = 0.0
     budget_bytes: int | None = None
+    nested: Mapping = dataclasses.field(default_factory=dict, compare=False)
 
 
 def recomputed_nodes(problem: BudgetProblem, kept: Iterable[int],
@@ -236,8 +240,7 @@ def infeasible(problem: BudgetProblem, smallest_peak_bytes: int,
         f"({problem.budget_bytes} bytes) is below the smallest peak the solver found: "
         f"{format_bytes(smallest_peak_bytes)} "
         f"({smallest_peak_bytes} bytes, static memory model, solver {solver!r}). Raise the budget "
-        f"to at least that, use checkpoints='memory' for the smallest peak, or reduce the batch "
-        f"size.", min_feasible_bytes=smallest_peak_bytes)
+        f"to at least that, or reduce the batch size.", min_feasible_bytes=smallest_peak_bytes)
 
 
 # --------------------------------------------------------------------------------------------

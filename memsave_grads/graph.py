@@ -34,6 +34,11 @@ class ForwardGraph:
         gradients of that size; empty means 0.
       flops: the cost of recomputing the node (floating-point operations from static shapes,
         or calibrated seconds; see ``costs``); empty means every node costs 1.
+      unread_inputs: for each node, input nodes its gradient does *not* read although
+        ``grad_reads_inputs`` says it reads its inputs (``0.5 * x`` keeps no ``x``: only the
+        constant's gradient would read it); empty means none.
+      forwards: the node's output may take over the buffer of an input that nothing else holds
+        (elementwise ops), and its gradient that of its incoming gradient; empty means none.
     """
 
     inputs: tuple[tuple[int, ...], ...]
@@ -47,13 +52,15 @@ class ForwardGraph:
     param_bytes: tuple[int, ...] = ()
     views: tuple[bool, ...] = ()
     flops: tuple[float, ...] = ()
+    unread_inputs: tuple[frozenset, ...] = ()
+    forwards: tuple[bool, ...] = ()
 
     def __post_init__(self):
         n = len(self.inputs)
         if not (len(self.size_bytes) == len(self.reads_source) == len(self.feeds_sink) == n):
             raise ValueError("ForwardGraph fields must all have one entry per node")
         for name in ("names", "expensive", "grad_reads_inputs", "grad_reads_output",
-                     "param_bytes", "views", "flops"):
+                     "param_bytes", "views", "flops", "unread_inputs", "forwards"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise ValueError(f"ForwardGraph.{name} must be empty or have one entry per node")
         for node, preds in enumerate(self.inputs):
@@ -70,6 +77,14 @@ class ForwardGraph:
 
     def gradient_reads_inputs(self, node: int) -> bool:
         return not self.grad_reads_inputs or self.grad_reads_inputs[node]
+
+    def gradient_reads_input(self, node: int, input_node: int) -> bool:
+        """Whether ``node``'s gradient reads the output of ``input_node`` (one of its inputs)."""
+        return self.gradient_reads_inputs(node) and not (
+            self.unread_inputs and input_node in self.unread_inputs[node])
+
+    def forwards_buffer(self, node: int) -> bool:
+        return bool(self.forwards) and self.forwards[node]
 
     def gradient_reads_output(self, node: int) -> bool:
         return bool(self.grad_reads_output) and self.grad_reads_output[node]

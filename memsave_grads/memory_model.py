@@ -16,6 +16,10 @@ model") and returns the peak:
   dropped; a kept output is freed when its own level begins, since every segment that reads it
   belongs to a lower level and is done by then.
 
+An input is kept for the backward pass only when its reader's gradient actually reads it
+(``ForwardGraph.gradient_reads_input``: ``0.5 * x`` keeps no ``x``), and elementwise ops write
+into an input nothing else holds, as TensorFlow's kernels do (``ForwardGraph.forwards_buffer``).
+
 Sizes come from static shapes (unknown dimensions count as 1, so the result scales linearly
 with an unknown batch size). What the model leaves out: op workspaces (convolution scratch
 buffers), the executor running independent ops in parallel, and partials that are summed
@@ -30,6 +34,12 @@ import dataclasses
 from typing import Iterable
 
 from memsave_grads import graph as graph_lib
+
+
+#: Bytes per variable byte at the backward step of the op that reads the variable: its
+#: gradient, and the copy the optimizer's update makes of the variable while that step still
+#: reads it (measured on MLPs: two weight-sized buffers above the activations).
+VARIABLE_UPDATE_FACTOR = 2
 
 
 class _Ledger:
@@ -148,6 +158,18 @@ def plan_peak_bytes(graph: graph_lib.ForwardGraph, kept: Iterable[int],
     return ledger.peak
 
 
+def retained_bytes(graph: graph_lib.ForwardGraph) -> list[int]:
+    """Bytes of each node that the backward pass over a segment containing the node and its
+    readers keeps alive: its output when a gradient reads it (or it is a ``y``); views, none."""
+    consumers = graph.consumers()
+    out = []
+    for v in range(graph.num_nodes):
+        read = graph.gradient_reads_output(v) or graph.feeds_sink[v] or any(
+            graph.gradient_reads_input(c, v) for c in consumers[v])
+        out.append(0 if graph.is_view(v) or not read else graph.size_bytes[v])
+    return out
+
+
 def _backward_readers(graph, consumers, members) -> tuple[dict, dict]:
     """Which outputs the backward pass over ``members`` reads, and after which step it may
     free them: the last of its readers in reverse order, i.e. the lowest-numbered one."""
@@ -156,7 +178,8 @@ def _backward_readers(graph, consumers, members) -> tuple[dict, dict]:
     release_at: dict[int, list[int]] = collections.defaultdict(list)
     retained = {}
     for v in members:
-        readers = [c for c in consumers[v] if c in member_set and graph.gradient_reads_inputs(c)]
+        readers = [c for c in consumers[v]
+                   if c in member_set and graph.gradient_reads_input(c, v)]
         if graph.gradient_reads_output(v):
             readers.append(v)
         retained[v] = bool(readers) or graph.feeds_sink[v]
@@ -179,14 +202,24 @@ def _forward(graph, order, consumers, retained, ledger, kept) -> None:
     member_set = set(order)
     pending = {v: sum(1 for c in consumers[v] if c in member_set) for v in order}
     for v in order:
-        ledger.alloc(_buffer_bytes(graph, v, kept))
-        for p in set(graph.inputs[v]):
+        size = _buffer_bytes(graph, v, kept)
+        done = []  # inputs whose last reader is v
+        for p in sorted(set(graph.inputs[v])):
             if p in pending:
                 pending[p] -= 1
                 if pending[p] == 0 and not retained[p]:
-                    ledger.free(_buffer_bytes(graph, p, kept))
+                    done.append(p)
+        # An elementwise op writes into an input nothing else holds (design note "memory
+        # model"): no new buffer, and that input's is not freed.
+        donor = next((p for p in done if size and graph.forwards_buffer(v)
+                      and _buffer_bytes(graph, p, kept) == size), None)
+        if donor is None:
+            ledger.alloc(size)
+        for p in done:
+            if p != donor:
+                ledger.free(_buffer_bytes(graph, p, kept))
         if pending[v] == 0 and not retained[v]:
-            ledger.free(_buffer_bytes(graph, v, kept))
+            ledger.free(size)
 
 
 def _backward_step(graph, v, grads: set, ledger, release_at) -> None:
@@ -194,12 +227,20 @@ def _backward_step(graph, v, grads: set, ledger, release_at) -> None:
     (applied at once, so only a spike), free its own gradient and the outputs no later step
     reads. Partials for kept nodes stay in ``grads`` until their level."""
     if v in grads or graph.feeds_sink[v]:
-        for p in set(graph.inputs[v]):
+        # An elementwise op's gradient kernel writes one input's gradient into its own buffer.
+        reuse = v in grads and graph.forwards_buffer(v)
+        for p in sorted(set(graph.inputs[v])):
             if p not in grads and graph.size_bytes[p]:
                 grads.add(p)
+                if reuse and graph.size_bytes[p] == graph.size_bytes[v]:
+                    reuse = False
+                    grads.discard(v)  # its buffer now holds p's gradient
+                    continue
                 ledger.alloc(graph.size_bytes[p])
-        ledger.alloc(graph.params_of(v))
-        ledger.free(graph.params_of(v))
+        # The variables' gradients, and the copies their updates make: an update that runs
+        # while this step still reads the variable copies it first (copy-on-write).
+        ledger.alloc(VARIABLE_UPDATE_FACTOR * graph.params_of(v))
+        ledger.free(VARIABLE_UPDATE_FACTOR * graph.params_of(v))
         if v in grads:
             grads.discard(v)
             ledger.free(graph.size_bytes[v])

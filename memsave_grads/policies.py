@@ -70,14 +70,14 @@ GRADIENT_IGNORES_INPUTS_OP_TYPES = frozenset({
     "ExpandDims", "Squeeze", "BroadcastTo", "Tile", "BiasAdd", "AvgPool", "AvgPool3D",
     "GatherV2", "ResourceGather", "Shape", "ZerosLike", "OnesLike",
     # These read their own *output* (GRADIENT_READS_OUTPUT_OP_TYPES), not their input.
-    "Relu", "Tanh", "Sigmoid", "Softmax", "LogSoftmax", "Exp", "Sqrt", "Rsqrt", "Elu", "Selu",
-    "Reciprocal", "Inv",
+    "Relu", "Relu6", "Tanh", "Sigmoid", "Softmax", "LogSoftmax", "Exp", "Sqrt", "Rsqrt", "Elu",
+    "Selu", "Reciprocal", "Inv",
 })
 
 #: Op types whose gradient reads their own output.
 GRADIENT_READS_OUTPUT_OP_TYPES = frozenset({
-    "Relu", "Tanh", "Sigmoid", "Softmax", "LogSoftmax", "Exp", "Sqrt", "Rsqrt", "Elu", "Selu",
-    "Reciprocal", "Inv", "MaxPool", "MaxPoolV2", "MaxPool3D",
+    "Relu", "Relu6", "Tanh", "Sigmoid", "Softmax", "LogSoftmax", "Exp", "Sqrt", "Rsqrt", "Elu",
+    "Selu", "Reciprocal", "Inv", "MaxPool", "MaxPoolV2", "MaxPool3D",
     # Returns the per-example gradient as a second output, which its gradient reads.
     "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits",
 })
@@ -89,6 +89,46 @@ ALIAS_OP_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "Placeholder", "Con
 #: the input's buffer is.
 VIEW_OP_TYPES = frozenset({"Identity", "Reshape", "ExpandDims", "Squeeze", "StopGradient",
                            "PreventGradient", "Snapshot"})
+
+
+#: Op types whose gradient w.r.t. one input reads only the *other* inputs (d(xy)/dx = y): an
+#: input is read only when another input needs a gradient. ``0.5 * x`` does not keep ``x``:
+#: the constant's gradient, the only one that reads ``x``, is pruned from the step.
+GRADIENT_READS_OTHER_INPUTS_OP_TYPES = frozenset({
+    "Mul", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv3D",
+    "DepthwiseConv2dNative", "Einsum",
+})
+
+#: Op types whose gradient reads the numerator only for the denominator's gradient
+#: (d(x/y)/dx = 1/y): ``x / 2.0`` does not keep ``x``.
+GRADIENT_READS_NUMERATOR_FOR_DENOMINATOR_OP_TYPES = frozenset({"RealDiv", "Div", "DivNoNan"})
+
+#: Elementwise op types whose kernel writes its output into an input's buffer when nothing
+#: else holds that input (``forward_input_or_allocate_output``): the op then allocates nothing.
+#: Their gradient kernels do the same with the incoming gradient.
+FORWARDS_INPUT_BUFFER_OP_TYPES = frozenset({
+    "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "Neg", "Square", "SquaredDifference",
+    "Maximum", "Minimum", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Exp",
+    "Log", "Sqrt", "Rsqrt", "Erf", "Erfc", "Softplus", "BiasAdd", "Softmax", "LogSoftmax",
+    "Abs", "Sign", "Reciprocal", "Inv",
+})
+
+
+def gradient_reads_input(op_type: str, index: int, differentiable: list[bool]) -> bool:
+    """Whether an op's gradient reads its input ``index``, given which of its inputs need a
+    gradient (``differentiable[i]``: input ``i`` depends on ``xs``)."""
+    if not gradient_reads_inputs(op_type):
+        return False
+    others = any(d for i, d in enumerate(differentiable) if i != index)
+    if op_type in GRADIENT_READS_OTHER_INPUTS_OP_TYPES:
+        return others
+    if op_type in GRADIENT_READS_NUMERATOR_FOR_DENOMINATOR_OP_TYPES and index == 0:
+        return len(differentiable) > 1 and differentiable[1]
+    return True
+
+
+def forwards_input_buffer(op_type: str) -> bool:
+    return op_type in FORWARDS_INPUT_BUFFER_OP_TYPES
 
 
 def gradient_reads_inputs(op_type: str) -> bool:

@@ -140,7 +140,8 @@ def small_graph_rows():
 
 def test_greedy_is_near_the_exact_solvers(small_graph_rows):
     """The issue's target (within 10% of the optimum) on graphs of <= 200 ops: met on most rows
-    (docs/budgets.md lists the misses); never worse than 2x, always within the budget."""
+    (docs/budgets.md lists the misses); single-level plans never worse than 1.5x, always within
+    the budget."""
     report = _bench_solvers.comparison_table(small_graph_rows)
     within = 0
     for row in small_graph_rows:
@@ -150,9 +151,23 @@ def test_greedy_is_near_the_exact_solvers(small_graph_rows):
             continue
         assert greedy.predicted_peak_bytes <= row.budget_bytes
         best = _bench_solvers.best_cost(row)
-        assert greedy.recompute_cost <= 2.0 * best + 1e-9, report
+        if greedy.nested:  # no single-level plan found: the revolve fallback, counted a miss
+            continue
+        assert greedy.recompute_cost <= 1.5 * best + 1e-9, report
         within += greedy.recompute_cost <= 1.10 * best + 1e-9
     assert within >= 0.75 * len(small_graph_rows), report
+
+
+def test_a_proven_milp_optimum_is_never_beaten(small_graph_rows):
+    """milp's ``optimal`` flag claims no plan recomputes less: no other solver's plan may."""
+    report = _bench_solvers.comparison_table(small_graph_rows)
+    proven = 0
+    for row in small_graph_rows:
+        milp = row.plans["milp"]
+        if isinstance(milp, budgets.BudgetPlan) and milp.optimal:
+            proven += 1
+            assert milp.recompute_cost <= _bench_solvers.best_cost(row) + 1e-9, report
+    assert proven >= len(small_graph_rows) // 2, report
 
 
 def test_greedy_solves_fast(small_graph_rows):
@@ -199,13 +214,15 @@ def test_budget_parity_on_the_graph_catalogue(builder, graph, session):
     try:
         actual = mg.gradients(case.ys, case.xs, case.grad_ys, checkpoints="budget:50%",
                               **case.kwargs)
-    except mg.InfeasibleBudgetError as e:  # tiny graphs: use the smallest feasible budget
-        actual = mg.gradients(case.ys, case.xs, case.grad_ys,
-                              checkpoints=mg.Budget(fraction=min(
-                                  1.0, 1.01 * e.min_feasible_bytes / max(
-                                      1, mg.explain(case.ys, case.xs, checkpoints="memory",
-                                                    **case.kwargs).predicted_plain_peak_bytes))),
-                              **case.kwargs)
+    except mg.InfeasibleBudgetError as e:  # tiny graphs: use the smallest feasible budget,
+        # in bytes where it exceeds tf.gradients' own predicted peak (kept outputs are held
+        # longer), which needs static shapes.
+        plain = mg.explain(case.ys, case.xs, checkpoints="memory",
+                           **case.kwargs).predicted_plain_peak_bytes
+        budget = (mg.Budget(fraction=1.01 * e.min_feasible_bytes / plain)
+                  if 1.01 * e.min_feasible_bytes <= plain else
+                  mg.Budget(bytes=e.min_feasible_bytes))
+        actual = mg.gradients(case.ys, case.xs, case.grad_ys, checkpoints=budget, **case.kwargs)
     except mg.NoCheckpointsFoundError:
         pytest.skip("nothing to keep on this graph")
     session.run(tf.compat.v1.global_variables_initializer())

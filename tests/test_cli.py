@@ -141,3 +141,14 @@ def test_keras_models_build_and_explain():
             loss, variables = build().build()
             report = mg.explain(loss, variables, checkpoints="memory")
         assert report.predicted_saving > 1.5, (name, str(report))
+
+
+def test_relative_error_ignores_rounding_noise_of_an_exactly_zero_gradient():
+    # A key bias under softmax has gradient 0 in exact arithmetic; both sides hold 1e-11 noise.
+    # It is compared against a floor of 1e-6 x the largest gradient, not against itself.
+    reference = [tf.constant([0.5, -0.25]), tf.constant([5e-12, -3e-12])]
+    noisy = [tf.constant([0.5, -0.25]), tf.constant([-4e-12, 6e-12])]
+    wrong = [tf.constant([0.5, -0.2]), tf.constant([5e-12, -3e-12])]
+    assert float(_bench._max_relative_error(noisy, reference)) < 1e-4
+    assert float(_bench._max_relative_error(wrong, reference)) == pytest.approx(0.1, rel=1e-3)
+    assert float(_bench._max_relative_error([None, reference[1]], reference)) == float("inf")

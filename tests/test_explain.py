@@ -60,3 +60,26 @@ def test_unknown_batch_is_flagged():
         report = mg.explain(tf.reduce_sum(h), x)
     assert report.unknown_dimensions
     assert "unknown dimensions" in str(report)
+
+
+def test_model_reads_inputs_per_edge():
+    """`0.5 * h` and `h / 2` keep no `h` (only the constant's pruned gradient reads it); `h * w`
+    keeps both; relu6's gradient reads its output, and elementwise ops may write in place."""
+    from memsave_grads import api
+
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.Variable(tf.ones([8, 8]))
+        h = tf.matmul(tf.ones([4, 8]), w, name="h")
+        half = tf.multiply(h, 0.5, name="half")
+        quarter = tf.divide(half, 2.0, name="quarter")
+        scaled = tf.multiply(quarter, w[0], name="scaled")
+        loss = tf.reduce_sum(tf.nn.relu6(scaled, name="relu6"))
+        model = api._prepare(loss, [w], None, [], {}, select=False).selection.model  # pylint: disable=protected-access
+    node = {name: i for i, name in enumerate(model.names)}
+    assert not model.gradient_reads_input(node["half"], node["h"])
+    assert not model.gradient_reads_input(node["quarter"], node["half"])
+    assert model.gradient_reads_input(node["scaled"], node["quarter"])
+    assert model.gradient_reads_output(node["relu6"])
+    assert not model.gradient_reads_inputs(node["relu6"])
+    assert model.forwards_buffer(node["half"]) and not model.forwards_buffer(node["h"])

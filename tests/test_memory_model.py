@@ -50,3 +50,32 @@ def test_segments_and_levels_mirror_the_rewrite():
 def test_variable_gradients_are_a_spike():
     g = _chain(3, param_bytes=(0, 100, 0))
     assert memory_model.plain_peak_bytes(g) >= 100
+
+
+def test_elementwise_ops_write_into_a_freed_input():
+    # Nine 4-byte adds, then a 1-byte y. Without forwarding the forward pass holds an input and
+    # its output (8 bytes); with it, one buffer moves down the chain (4), and in the backward
+    # pass one gradient buffer moves back up beside y's output (4 + 1).
+    n = 10
+
+    def adds(**fields):
+        return graph_lib.ForwardGraph(
+            inputs=((),) + tuple((i - 1,) for i in range(1, n)), size_bytes=(4,) * (n - 1) + (1,),
+            reads_source=(True,) + (False,) * (n - 1), feeds_sink=(False,) * (n - 1) + (True,),
+            grad_reads_inputs=(False,) * n, **fields)
+
+    assert memory_model.plain_peak_bytes(adds()) == 8
+    assert memory_model.plain_peak_bytes(adds(forwards=(True,) * n)) == 5
+    # An input the backward pass keeps is not written over: no saving.
+    assert memory_model.plain_peak_bytes(_chain(n, forwards=(True,) * n)) == \
+        memory_model.plain_peak_bytes(_chain(n))
+
+
+def test_an_input_only_a_constant_gradient_reads_is_not_kept():
+    # 0 -> 1 -> 2 (y); node 1 is "0.5 * x": its gradient reads x only for the constant's own
+    # gradient, which is pruned. Node 0's output is then freed once node 1 has run.
+    reads_all = _chain(3)
+    scaled = _chain(3, unread_inputs=(frozenset(), frozenset({0}), frozenset()))
+    assert scaled.gradient_reads_input(1, 0) is False
+    assert scaled.gradient_reads_input(2, 1) is True
+    assert memory_model.plain_peak_bytes(scaled) == memory_model.plain_peak_bytes(reads_all) - 1
