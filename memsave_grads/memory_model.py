@@ -88,10 +88,18 @@ class Segments:
 
 
 def segments(graph: graph_lib.ForwardGraph, kept: Iterable[int],
-             not_replayed: Iterable[int] = ()) -> Segments:
-    """The segments and levels that ``kept`` makes (see ``_stitch`` for the rewrite itself)."""
+             not_replayed: Iterable[int] = (), members: Iterable[int] | None = None,
+             sinks: Iterable[int] | None = None) -> Segments:
+    """The segments and levels that ``kept`` makes (see ``_stitch`` for the rewrite itself).
+
+    ``members``/``sinks``: the same inside one recomputed region (design note "multi-level"):
+    only ``members`` are walked, and the top segment ends at ``sinks`` instead of the ``ys``.
+    """
     kept = set(kept)
     not_replayed = set(not_replayed)
+    inside = set(range(graph.num_nodes)) if members is None else set(members)
+    if sinks is None:
+        sinks = (v for v in range(graph.num_nodes) if graph.feeds_sink[v])
 
     def walk(seeds):
         seen, stack = set(), list(seeds)
@@ -100,10 +108,11 @@ def segments(graph: graph_lib.ForwardGraph, kept: Iterable[int],
             if v in seen:
                 continue
             seen.add(v)
-            stack.extend(p for p in graph.inputs[v] if p not in kept and p not in seen)
+            stack.extend(p for p in graph.inputs[v]
+                         if p in inside and p not in kept and p not in seen)
         return sorted(seen)
 
-    top = walk(v for v in range(graph.num_nodes) if graph.feeds_sink[v] and v not in kept)
+    top = walk(v for v in sinks if v not in kept)
     owned = {k: ([] if k in not_replayed else walk([k])) for k in kept}
     level = {k: 1 for k in kept}
     for k in sorted(kept, reverse=True):

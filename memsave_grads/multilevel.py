@@ -66,28 +66,7 @@ def sub_segments(graph: graph_lib.ForwardGraph, members: Sequence[int], kept: It
     """:func:`memory_model.segments` inside a recomputed region ``members`` whose outputs the
     backward pass needs are ``sinks`` (the level's kept nodes); inputs from outside are
     boundaries."""
-    member_set, kept = set(members), set(kept)
-
-    def walk(seeds):
-        seen, stack = set(), list(seeds)
-        while stack:
-            v = stack.pop()
-            if v in seen:
-                continue
-            seen.add(v)
-            stack.extend(p for p in graph.inputs[v]
-                         if p in member_set and p not in kept and p not in seen)
-        return sorted(seen)
-
-    top = walk(s for s in sinks if s not in kept)
-    owned = {k: walk([k]) for k in kept}
-    level = {k: 1 for k in kept}
-    for k in sorted(kept, reverse=True):
-        for v in owned[k]:
-            for p in graph.inputs[v]:
-                if p in kept and p != k:
-                    level[p] = max(level[p], level[k] + 1)
-    return memory_model.Segments(top=top, owned=owned, level=level)
+    return memory_model.segments(graph, kept, members=members, sinks=sinks)
 
 
 def close_within(graph: graph_lib.ForwardGraph, members: Sequence[int], kept: Iterable[int],
