@@ -15,6 +15,7 @@ import tensorflow as tf
 from memsave_grads import _tf_graph
 from memsave_grads import api
 from memsave_grads import memory_model
+from memsave_grads import multilevel
 
 _MIB = 1024 * 1024
 
@@ -140,7 +141,6 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
     peak = memory_model.plan_peak_bytes(model, kept, not_replayed)
     recompute_flops = sum(model.cost_of(v) for v in recomputed)
     if getattr(ctx.plan, "nested", None):  # multi-level plan (design note "multi-level")
-        from memsave_grads import multilevel  # pylint: disable=import-outside-toplevel
         peak, recompute_flops = multilevel.replay(
             model, multilevel.NestedPlan(frozenset(kept), ctx.plan.nested), not_replayed)
     return PlanReport(

@@ -892,16 +892,13 @@ def solve(problem: budgets.BudgetProblem, solver: str = budgets.DEFAULT_SOLVER) 
         logging.info("memsave_grads: the budget of %d bytes is below every single-level plan "
                      "(%s: smallest %d); planned %d recomputation levels with 'revolve' "
                      "(peak %d, cost %.3g)", problem.budget_bytes, solver,
-                     single_level.min_feasible_bytes, _depth(plan.nested) + 1,
+                     single_level.min_feasible_bytes,
+                     multilevel.NestedPlan(plan.kept, plan.nested).levels,
                      plan.predicted_peak_bytes, plan.recompute_cost)
     logging.vlog(1, "memsave_grads: %s: budget %d bytes -> peak %d, cost %.3g, %.2f s",
                  solver, problem.budget_bytes, plan.predicted_peak_bytes, plan.recompute_cost,
                  plan.solve_seconds)
     return plan
-
-
-def _depth(nested) -> int:
-    return max((1 + _depth(child.children) for child in nested.values()), default=0)
 
 
 def tradeoff(problem: budgets.BudgetProblem, points: int = 12,

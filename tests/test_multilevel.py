@@ -82,16 +82,20 @@ MODELS = {
 }
 
 
+def _build(model):
+    """``MODELS[model]`` in the current graph: (y, xs = [input, *weights])."""
+    fn, shapes, x_shape = MODELS[model]
+    ws = _weights(shapes)
+    x = tf.constant(np.random.RandomState(1).randn(*x_shape).astype(np.float32))
+    return fn(ws, x), [x, *ws]
+
+
 @pytest.mark.parametrize("levels", [2, 3])
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_nested_gradients_equal_tf_gradients_in_a_session(model, levels):
-    fn, shapes, x_shape = MODELS[model]
     graph = tf.Graph()
     with graph.as_default():
-        ws = _weights(shapes)
-        x = tf.constant(np.random.RandomState(1).randn(*x_shape).astype(np.float32))
-        y = fn(ws, x)
-        xs = [x, *ws]
+        y, xs = _build(model)
         expected = tf.gradients(y, xs)
         got = _nested_gradients(y, xs, levels)
         with tf.compat.v1.Session(graph=graph) as sess:
@@ -120,13 +124,9 @@ def test_nested_gradients_equal_tf_gradients_in_tf_function(model, levels):
 @pytest.mark.parametrize("model", ["residual_mlp", "conv_net"])
 def test_revolve_budget_below_the_memory_plan_on_networks(model):
     """The budget path end to end: solve_revolve plans 2+ levels, the rewrite follows it."""
-    fn, shapes, x_shape = MODELS[model]
     graph = tf.Graph()
     with graph.as_default():
-        ws = _weights(shapes)
-        x = tf.constant(np.random.RandomState(1).randn(*x_shape).astype(np.float32))
-        y = fn(ws, x)
-        xs = [x, *ws]
+        y, xs = _build(model)
         expected = tf.gradients(y, xs)
         single = api._prepare(y, xs, None, "memory", {}).selection.plan.predicted_peak_bytes
         budget = mg.Budget(bytes=int(0.7 * single), solver="revolve")
