@@ -15,6 +15,7 @@ from memsave_grads._explain import PlanReport
 from memsave_grads._explain import explain
 from memsave_grads.errors import CheckpointNotOnPathError
 from memsave_grads.errors import EagerExecutionError
+from memsave_grads.errors import FinalizedGraphError
 from memsave_grads.errors import InfeasibleBudgetError
 from memsave_grads.errors import InvalidArgumentError
 from memsave_grads.errors import InvalidTypeError
@@ -45,5 +46,5 @@ __all__ = [
     "MemsaveGradsError", "InvalidArgumentError", "InvalidTypeError", "UnknownStrategyError",
     "CheckpointNotOnPathError", "NoCheckpointsFoundError", "UnsupportedGraphError",
     "SparseGradientError", "EagerExecutionError", "PatchStateError", "InfeasibleBudgetError",
-    "MissingDependencyError", "NotDifferentiableError",
+    "MissingDependencyError", "NotDifferentiableError", "FinalizedGraphError",
 ]

@@ -12,6 +12,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from memsave_grads import _select
 from memsave_grads import _tf_graph
 from memsave_grads import api
 from memsave_grads import memory_model
@@ -50,6 +51,13 @@ class PlanReport:
       recompute_flops: floating-point operations of the recomputed ops (static shapes).
       forward_flops: the same for the whole forward region (run once by any method).
       budget_bytes: the budget the plan was solved for, when ``checkpoints`` is a budget.
+      rewrite: whether ``gradients()`` runs this plan; False where it keeps plain
+        ``tf.gradients``' schedule instead (design note "never worse").
+      schedule_reason: why, in one sentence.
+      scratch_bytes: the largest scratch of one backward step's gradient kernels (convolution
+        im2col buffers), which the never-worse rule adds to both predicted peaks.
+      decided_plan_peak_bytes / decided_plain_peak_bytes: the two peaks the rule compared
+        (None where it needed none).
     """
 
     checkpoints: object
@@ -65,6 +73,11 @@ class PlanReport:
     recompute_flops: float = 0.0
     forward_flops: float = 0.0
     budget_bytes: int | None = None
+    rewrite: bool = True
+    schedule_reason: str = ""
+    scratch_bytes: int = 0
+    decided_plan_peak_bytes: int | None = None
+    decided_plain_peak_bytes: int | None = None
 
     @property
     def recompute_fraction(self) -> float:
@@ -97,6 +110,15 @@ class PlanReport:
             f"{_mib(self.predicted_plain_peak_bytes)} ({self.predicted_saving:.2f}x less)"
             + (f"; budget {_mib(self.budget_bytes)}" if self.budget_bytes is not None else ""),
         ]
+        if self.scratch_bytes and self.decided_plan_peak_bytes is not None:
+            lines.append(
+                f"  with the gradient kernels' scratch (up to {_mib(self.scratch_bytes)} at one "
+                f"backward step): {_mib(self.decided_plan_peak_bytes)} vs tf.gradients "
+                f"{_mib(self.decided_plain_peak_bytes)}")
+        if self.schedule_reason:
+            lines.append(("  schedule: this plan (" if self.rewrite else
+                          "  schedule: plain tf.gradients, not this plan (")
+                         + self.schedule_reason + ")")
         if self.unknown_dimensions:
             lines.append("  (shapes with unknown dimensions: sizes count each unknown "
                          "dimension as 1, e.g. per example)")
@@ -127,6 +149,7 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
                             tf_gradients_kwargs)
     ctx = prepared.selection
     model = ctx.model
+    decision = _select.decide_schedule(ctx, checkpoints, prepared.chosen, prepared.kept)
     index = {op: i for i, op in enumerate(ctx.region)}
     kept = {index[op] for op in prepared.kept if op in index}
     not_replayed = {i for i in kept if not _tf_graph.is_replayable(ctx.region[i])}
@@ -157,6 +180,11 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
         recompute_flops=recompute_flops,
         forward_flops=sum(model.cost_of(v) for v in range(model.num_nodes)),
         budget_bytes=getattr(ctx.plan, "budget_bytes", None),
+        rewrite=decision.rewrite,
+        schedule_reason=decision.reason,
+        scratch_bytes=decision.scratch_bytes,
+        decided_plan_peak_bytes=decision.plan_peak_bytes,
+        decided_plain_peak_bytes=decision.plain_peak_bytes,
     )
 
 

@@ -11,6 +11,7 @@ import itertools
 from typing import Mapping, Sequence
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import control_flow_util_v2
 
 _function_counter = itertools.count()
@@ -19,6 +20,9 @@ _function_counter = itertools.count()
 #: gradient of cond_v2/while_v2 rewrites the forward op's function graphs in place, so a shared
 #: cache would let the copy's gradient rewrite the original (docs/design.md, note "func graphs").
 #: Without the cache the gradient code rebuilds fresh FuncGraphs from the function library.
+#: Ops whose gradient adds inputs to the forward op (while_v2 accumulators).
+_INPUTS_APPENDED_LATER = frozenset({"While", "StatelessWhile"})
+
 _CACHED_FUNC_GRAPH_ATTRS = ("_true_graph", "_false_graph", "_cond_graph", "_body_graph",
                             "_branch_graphs")
 
@@ -26,7 +30,9 @@ _CACHED_FUNC_GRAPH_ATTRS = ("_true_graph", "_false_graph", "_cond_graph", "_body
 def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[tf.Operation],
              replacements: Mapping | None = None,
              graph: tf.Graph | None = None) -> dict[tf.Operation, tf.Operation]:
-    """Copy ``ops`` (topologically ordered, one graph) and return ``{original: copy}``.
+    """Copy ``ops`` (topologically ordered, one graph) and return ``{original: copy}``, plus
+    ``{op: op}`` for the few helper ops made along the way (identities that delay a While
+    copy's inputs), so that the values of the mapping are the whole copied region.
 
     The copies go into ``graph`` (default: the ops' own graph). Into another graph (the
     backward body of a loop), inputs from the ops' graph are captured by that function graph,
@@ -48,19 +54,36 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
         for op in ops:
             inputs = [copies[t.op].outputs[t.value_index] if t.op in copies
                       else replacements.get(t.ref(), t) for t in op.inputs]
-            attrs = dict(op.node_def.attr)
-            if graph is not source:
-                attrs.pop("_class", None)
-            new = graph._create_op_internal(  # pylint: disable=protected-access
-                op.type, inputs, dtypes=[t.dtype for t in op.outputs], name=op.name,
-                attrs=attrs, op_def=op.op_def, compute_device=False)
-            new._set_device(op.device)  # pylint: disable=protected-access
-            for original, copied in zip(op.outputs, new.outputs):
-                copied.set_shape(original.shape)
             extra = [copies.get(c, c) for c in op.control_inputs
                      if c in copies or c.graph is graph]
             if not any(t.op in copies for t in op.inputs):
                 extra.extend(control_inputs)
+            if extra and op.type in _INPUTS_APPENDED_LATER:
+                # while_v2's gradient appends accumulator inputs to the forward While op; a
+                # NodeDef whose data inputs follow control inputs is invalid in a Session. The
+                # inputs wait instead, through identities (free: views of the same buffers).
+                with graph.as_default(), graph.control_dependencies(extra):
+                    inputs = [tf.identity(t) for t in inputs]
+                copies.update((t.op, t.op) for t in inputs)  # part of the copied region
+                extra = []
+            attrs = dict(op.node_def.attr)
+            if graph is not source:
+                attrs.pop("_class", None)
+            elif "_class" not in attrs:
+                # A copy belongs with its original: gradients colocated with the copy
+                # (colocate_gradients_with_ops) then land where tf.gradients puts them.
+                attrs["_class"] = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+                    s=[f"loc:@{op.name}".encode()]))
+            new = graph._create_op_internal(  # pylint: disable=protected-access
+                op.type, inputs, dtypes=[t.dtype for t in op.outputs], name=op.name,
+                attrs=attrs, op_def=op.op_def, compute_device=False)
+            new._set_device(op.device)  # pylint: disable=protected-access
+            # A call of a tf.function made inside another graph carries its gradient on the op
+            # (set from the graph's override map at creation), not in the registry by type;
+            # without it TF looks for a python_grad_func the AtomicFunction lacks.
+            new._gradient_function = op._gradient_function  # pylint: disable=protected-access
+            for original, copied in zip(op.outputs, new.outputs):
+                copied.set_shape(original.shape)
             if extra:
                 new._add_control_inputs(extra)  # pylint: disable=protected-access
             for attr in _CACHED_FUNC_GRAPH_ATTRS:

@@ -113,7 +113,7 @@ def update_ops(grad, handle: tf.Tensor, floor: int) -> tuple[list, list]:
 
 def value_readers(handle: tf.Tensor, floor: int) -> list[tf.Operation]:
     """Ops holding a value of the variable read at or before ``floor`` (the forward reads):
-    consumers of those reads, and of views of them (identities, ``stop_gradient`` boundaries,
+    consumers of those reads, and of views of them (identities, identity boundaries,
     reshapes)."""
     readers, seen = [], set()
     stack = [t for op in handle.consumers()

@@ -11,12 +11,14 @@ import dataclasses
 from typing import Callable, Sequence
 
 import tensorflow as tf
+from absl import logging
 
 from memsave_grads import _tf_graph
 from memsave_grads import budgets
 from memsave_grads import errors
 from memsave_grads import graph as graph_lib
 from memsave_grads import memory_model
+from memsave_grads import multilevel
 from memsave_grads import planners
 from memsave_grads import policies
 from memsave_grads import solvers
@@ -36,6 +38,8 @@ class SelectionContext:
     _model: graph_lib.ForwardGraph | None = None
     #: Set by planners that make one (``"memory"``, budgets), for reports.
     plan: planners.CutPlan | budgets.BudgetPlan | None = None
+    _workspace: list[int] | None = None
+    _needs_gradient: set | None = None
 
     @property
     def model(self) -> graph_lib.ForwardGraph:
@@ -50,6 +54,23 @@ class SelectionContext:
                    for i, op in enumerate(self.region)
                    if self.model.size_bytes[i] and op.outputs)
 
+    @property
+    def workspace_bytes(self) -> list[int] | None:
+        """Scratch bytes each region op's gradient kernels allocate (memory_model.
+        conv2d_gradient_workspace_bytes), or None where sizes are per unknown dimension: the
+        scratch does not grow with the batch, so it cannot be added to sizes per example."""
+        if self._workspace is None:
+            self._workspace = [] if self.unknown_dimensions else [
+                _conv2d_workspace_bytes(op, self._differentiable) for op in self.region]
+        return self._workspace or None
+
+    def _differentiable(self, t: tf.Tensor) -> bool:
+        """Whether the backward pass differentiates ``t`` (it is an x or computed from one)."""
+        if self._needs_gradient is None:
+            self._needs_gradient = ({t.ref() for t in self.xs}
+                                    | {out.ref() for op in self.region for out in op.outputs})
+        return t.ref() in self._needs_gradient
+
     def node_sets(self) -> tuple[list[int], list[int], list[int]]:
         """(candidates, must_keep, not_replayed) as node indices of :attr:`model`."""
         index = {op: i for i, op in enumerate(self.region)}
@@ -63,6 +84,24 @@ class SelectionContext:
     def endpoint_ops(self) -> set[tf.Operation]:
         """Ops producing xs or ys: never chosen by a strategy (they are kept or seeded anyway)."""
         return {t.op for t in self.xs} | {t.op for t in self.ys}
+
+
+def _conv2d_workspace_bytes(op: tf.Operation, differentiable: Callable[[tf.Tensor], bool]) -> int:
+    """Scratch of ``op``'s gradient kernels when it is a 2-D convolution with static shapes,
+    else 0 (memory_model.conv2d_gradient_workspace_bytes)."""
+    if op.type != "Conv2D":
+        return 0
+    image, kernel = op.inputs[0], op.inputs[1]
+    output_shape, kernel_shape = op.outputs[0].shape, kernel.shape
+    if not (output_shape.is_fully_defined() and kernel_shape.is_fully_defined()):
+        return 0
+    channels_first = op.get_attr("data_format") == b"NCHW"
+    height, width = output_shape[2:4] if channels_first else output_shape[1:3]
+    rows, cols, in_channels, out_channels = kernel_shape.as_list()
+    return memory_model.conv2d_gradient_workspace_bytes(
+        output_pixels=height * width, window_pixels=rows * cols, in_channels=in_channels,
+        out_channels=out_channels, itemsize=op.outputs[0].dtype.size,
+        filter_gradient=differentiable(kernel), input_gradient=differentiable(image))
 
 
 def _no_checkpoints(strategy: str, why: str, remedy: str) -> errors.NoCheckpointsFoundError:
@@ -86,7 +125,7 @@ def select_collection(ctx: SelectionContext) -> set[tf.Operation]:
 
 def select_speed(ctx: SelectionContext) -> set[tf.Operation]:
     """Outputs of expensive ops (matmul, convolution, einsum), chosen by op type."""
-    chosen = {op for op in ctx.region if policies.is_expensive_op_type(op.type)}
+    chosen = {op for op in ctx.region if _tf_graph.is_expensive(op)}
     chosen -= ctx.endpoint_ops
     if not chosen:
         raise _no_checkpoints(
@@ -234,6 +273,114 @@ def single_owner(ctx: SelectionContext, kept: set[tf.Operation]) -> set[tf.Opera
     index = {op: i for i, op in enumerate(ctx.region)}
     closed = graph_lib.close_segments(ctx.model, [index[op] for op in kept if op in index])
     return kept | {ctx.region[i] for i in closed}
+
+
+# --------------------------------------------------------------------------------------------
+# The never-worse rule: keep tf.gradients' schedule where a plan is not predicted to beat it
+# --------------------------------------------------------------------------------------------
+
+#: A chosen plan replaces tf.gradients' schedule only where the memory model, scratch of the
+#: gradient kernels included, predicts a peak at most this fraction of tf.gradients' (docs/
+#: design.md, note "never worse"): the executor's order alone moves a peak by up to 10%.
+NEVER_WORSE_PEAK_FRACTION = 0.9
+#: Switch for tests of the rewrite itself on graphs too small for any plan to pay off.
+NEVER_WORSE_RULE = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleDecision:
+    """Whether ``gradients()`` runs the plan or plain ``tf.gradients`` (the never-worse rule).
+
+    Attributes:
+      rewrite: True to recompute as planned, False to call the original tf.gradients.
+      reason: one sentence for logs and ``explain()``.
+      plan_peak_bytes / plain_peak_bytes: the predictions compared (memory model plus the
+        gradient kernels' scratch), None where the decision needed none.
+      scratch_bytes: the largest scratch of one backward step in those predictions.
+    """
+
+    rewrite: bool
+    reason: str
+    plan_peak_bytes: int | None = None
+    plain_peak_bytes: int | None = None
+    scratch_bytes: int = 0
+
+
+def _predicted_peaks(ctx: SelectionContext, kept: set[tf.Operation]) -> tuple[int, int, int]:
+    """(plan, plain tf.gradients, largest scratch): the memory model's peaks, with the gradient
+    kernels' scratch. With unknown dimensions sizes are per unit of them (per example), so
+    terms that do not grow with the batch, variables' gradients and scratch, are left out of
+    both: they would decide for a batch of one."""
+    workspace = ctx.workspace_bytes
+    scratch = max(workspace) if workspace else 0
+    model = ctx.model
+    if ctx.unknown_dimensions:
+        model = dataclasses.replace(model, param_bytes=())
+    index = {op: i for i, op in enumerate(ctx.region)}
+    nodes = {index[op] for op in kept if op in index}
+    not_replayed = {i for i in nodes if not _tf_graph.is_replayable(ctx.region[i])}
+    nested = getattr(ctx.plan, "nested", None)
+    if nested:  # the multi-level replay takes no scratch: bound it by the largest step's
+        plan = multilevel.replay(model, multilevel.NestedPlan(frozenset(nodes), nested),
+                                 not_replayed)[0] + scratch
+    else:
+        plan = memory_model.plan_peak_bytes(model, nodes, not_replayed, workspace_bytes=workspace)
+    return plan, memory_model.plain_peak_bytes(model, workspace), scratch
+
+
+def decide_schedule(ctx: SelectionContext, checkpoints, chosen: set[tf.Operation],
+                    kept: set[tf.Operation]) -> ScheduleDecision:
+    """The never-worse rule (docs/design.md, note "never worse"), logged at vlog(1).
+
+    Automatic strategies (``"memory"``, ``"speed"``, budgets) and ``"collection"`` keep plain
+    tf.gradients' schedule unless the plan is predicted to peak at most
+    :data:`NEVER_WORSE_PEAK_FRACTION` of its peak *and* to save at least the largest scratch
+    of one gradient kernel; so does a strategy that chose nothing beyond the tensors kept
+    anyway. An explicit list of tensors or patterns is what the user asked for: it is
+    honoured, with a warning where it is predicted to peak higher.
+    """
+    if not NEVER_WORSE_RULE:
+        return ScheduleDecision(True, "the never-worse rule is switched off")
+    explicit = isinstance(checkpoints, (list, tuple, tf.Tensor))
+    if not explicit and not chosen - ctx.must_keep:
+        return _logged(checkpoints, ScheduleDecision(
+            False, "the strategy keeps nothing beyond the tensors kept anyway (variable reads, "
+            "stateful ops, xs), so its plan is plain tf.gradients"))
+    plan, plain, scratch = _predicted_peaks(ctx, kept)
+    predicted = (f"predicted peak {budgets.format_bytes(plan)} against tf.gradients' "
+                 f"{budgets.format_bytes(plain)}"
+                 + (f", gradient kernels' scratch of up to {budgets.format_bytes(scratch)} "
+                    "included" if scratch else "")
+                 + (", per unit of the unknown dimensions, variables' gradients left out"
+                    if ctx.unknown_dimensions else ""))
+    if explicit:
+        if plan > plain:
+            logging.warning(
+                "memsave_grads: the explicit checkpoints are predicted to peak above plain "
+                "tf.gradients (%s); keeping them as asked. Pass checkpoints='memory' to choose "
+                "them automatically.", predicted)
+        return _logged(checkpoints, ScheduleDecision(
+            True, f"explicit checkpoints are kept as given ({predicted})", plan, plain, scratch))
+    # The allocator may serve a scratch request from a free chunk up to twice its size (BFC
+    # splits only chunks at least twice as large), so a saving below the largest scratch can
+    # vanish in the measured peak.
+    if plan <= NEVER_WORSE_PEAK_FRACTION * plain and plain - plan >= scratch:
+        return _logged(checkpoints, ScheduleDecision(
+            True, f"the plan is predicted to beat tf.gradients ({predicted})", plan, plain,
+            scratch))
+    margin = f"{1 - NEVER_WORSE_PEAK_FRACTION:.0%}" + (" and the largest scratch" if scratch
+                                                      else "")
+    return _logged(checkpoints, ScheduleDecision(
+        False, f"the plan is not predicted to peak at least {margin} below tf.gradients "
+        f"({predicted})", plan, plain, scratch))
+
+
+def _logged(checkpoints, decision: ScheduleDecision) -> ScheduleDecision:
+    logging.vlog(1, "memsave_grads: checkpoints=%s: %s; %s", _describe(checkpoints),
+                 decision.reason, "recomputing as planned" if decision.rewrite else
+                 "keeping plain tf.gradients' schedule (the original tf.gradients computes the "
+                 "gradients)")
+    return decision
 
 
 def forced_keep(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor]) -> set[tf.Operation]:

@@ -9,8 +9,8 @@ time.
 Order (design note "levels" in docs/design.md): a kept op's *level* is one more than the
 deepest level of any segment that reads it (the top segment has level 0). Every partial for a
 kept tensor comes from a lower level, so when its level comes its gradient is complete. Each
-level is one ``tf.gradients`` call over the union of its segments. Copies read fresh
-``tf.stop_gradient`` *boundaries* of the kept tensors and ``xs`` (note "boundaries"); those, and
+level is one ``tf.gradients`` call over the union of its segments. Copies read fresh identity
+*boundaries* of the kept tensors and ``xs`` (note "boundaries"); those, and
 the inputs of original ops, are the call's sources and ``stop_gradients``: backprop stops there
 and the partial w.r.t. each is read off.
 """
@@ -28,7 +28,7 @@ from memsave_grads import _tf_graph
 from memsave_grads import errors
 
 
-def _zeros_like(x: tf.Tensor) -> tf.Tensor:
+def zeros_like(x: tf.Tensor) -> tf.Tensor:
     """What ``tf.gradients(..., unconnected_gradients='zero')`` returns for ``x``."""
     if x.dtype == tf.resource:
         from tensorflow.python.ops import resource_variable_ops  # pylint: disable=import-outside-toplevel
@@ -64,7 +64,21 @@ def aggregate(partials: Sequence, t: tf.Tensor):
             indices = [tf.cast(i, tf.int64) for i in indices]
         return tf.IndexedSlices(tf.concat([g.values for g in partials], axis=0),
                                 tf.concat(indices, axis=0), partials[0].dense_shape)
-    return tf.add_n([_densify(g, t) for g in partials])
+    return _add_per_device([_densify(g, t) for g in partials])
+
+
+def _add_per_device(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    """``add_n`` as tf.gradients does it (``_MultiDeviceAddN``): one sum per device, each
+    colocated with its first summand, then the sum of those; so a summed gradient stays on
+    the device of the forward op that produced its first partial."""
+    by_device = collections.defaultdict(list)
+    for t in tensors:
+        by_device[t.device or ""].append(t)
+    sums = []
+    for device in sorted(by_device):
+        with _tf_graph.colocated_with(by_device[device][0].op):
+            sums.append(tf.add_n(by_device[device]))
+    return sums[0] if len(sums) == 1 else tf.add_n(sums)
 
 
 def _gradient_ops(g) -> list[tf.Operation]:
@@ -131,9 +145,8 @@ class _Backprop:
         if not targets or not sources:
             return
         readers = list(sources) if readers is None else readers
-        grads = _tf_graph.ORIGINAL_GRADIENTS(
-            targets, readers, grad_ys=target_grads,
-            stop_gradients=list(readers) + list(user_stops), **tf_kwargs)
+        grads = _tf_graph.gradients_stopped_at(
+            targets, readers, target_grads, list(readers) + list(user_stops), **tf_kwargs)
         for t, g in zip(sources, grads):
             if g is not None:
                 self.partials[t.ref()].append(g)
@@ -206,15 +219,16 @@ def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence
         to_copy = sorted({s for op in replayed for s in segments[op]},
                          key=lambda o: o._id)  # pylint: disable=protected-access
         scope = f"{scope_prefix}/recompute_level{lvl}"
-        # Copies read fresh stop_gradient boundaries, not the kept tensors themselves:
-        # tf.gradients walks everything downstream of its sources, and the originals have the
-        # whole rest of the graph downstream (design note "boundaries").
+        # Copies read fresh identity boundaries, not the kept tensors themselves: tf.gradients
+        # walks everything downstream of its sources, and the originals have the whole rest of
+        # the graph downstream. Identities, not StopGradient, so that a later derivative of
+        # these gradients still reaches the checkpoints (design note "boundaries").
         copied_sources = state.sources(to_copy)
         boundaries = {}
         with tf.name_scope(f"{scope}/boundary"):
             for t in copied_sources:
                 with t.graph.colocate_with(t.op):
-                    boundaries[t.ref()] = tf.stop_gradient(t)
+                    boundaries[t.ref()] = tf.identity(t)
         control = [c for _, ds in active for d in ds if d is not None for c in _gradient_ops(d)]
         copies = _rewrite.copy_ops(to_copy, scope, control, replacements=boundaries)
         targets, target_grads = [], []
@@ -239,7 +253,7 @@ def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence
     for x in xs:
         g = state.total(x)
         if g is None and unconnected_zero:
-            g = _zeros_like(x)
+            g = zeros_like(x)
         results.append(g)
     return results
 

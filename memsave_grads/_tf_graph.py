@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 import tensorflow as tf
+from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gradients_impl
 from tensorflow.python.ops import resource_variable_ops
 
@@ -24,6 +26,45 @@ ORIGINAL_GRADIENTS = gradients_impl.gradients
 ORIGINAL_GRADIENTS_V2 = gradients_impl.gradients_v2
 
 
+def colocated_with(op: tf.Operation):
+    """A context placing new ops with ``op`` whatever the enclosing colocation, as
+    tf.gradients' sums are placed (``_MultiDeviceAddN``)."""
+    return tf_ops._colocate_with_for_gradient(op, None, ignore_existing=True)  # pylint: disable=protected-access
+
+
+def is_function_call(op: tf.Operation) -> bool:
+    """An op that runs a graph function: a tf.function call, or a function-typed op."""
+    return op.type in CALL_OP_TYPES or op.graph._is_function(op.type)  # pylint: disable=protected-access
+
+
+def _no_gradient(op, *unused_output_grads):
+    return [None] * len(op.inputs)
+
+
+def gradients_stopped_at(ys, sources, grad_ys, stops, **tf_gradients_kwargs) -> list:
+    """``ORIGINAL_GRADIENTS(ys, sources, grad_ys, stop_gradients=stops)``, where backprop
+    really ends at every source.
+
+    tf.gradients does not stop at a function call op named in ``stop_gradients``: with no
+    gradient function looked up for a stop op, it differentiates the call with a
+    ``SymbolicGradient`` op anyway, so a partial of an input of the call would also get the
+    path through the call (measured: wrong values, design note "boundaries"). For the duration
+    of this call such a source's op gets a gradient function that returns None instead, and is
+    a plain source rather than a stop.
+    """
+    calls = {t.op for t in sources if is_function_call(t.op)}
+    stops = [t for t in stops if t.op not in calls]
+    saved = [(op, op._gradient_function) for op in calls]  # pylint: disable=protected-access
+    try:
+        for op in calls:
+            op._gradient_function = _no_gradient  # pylint: disable=protected-access
+        return ORIGINAL_GRADIENTS(ys, sources, grad_ys=grad_ys, stop_gradients=stops,
+                                  **tf_gradients_kwargs)
+    finally:
+        for op, function in saved:
+            op._gradient_function = function  # pylint: disable=protected-access
+
+
 def is_resource_variable(value) -> bool:
     return resource_variable_ops.is_resource_variable(value)
 
@@ -31,6 +72,119 @@ def is_resource_variable(value) -> bool:
 def is_eager_tensor(value) -> bool:
     """An eager tensor: a value, with no graph for us to rewrite."""
     return isinstance(value, tf_ops.EagerTensor)
+
+
+def is_reference_variable(value) -> bool:
+    """A TF1 reference variable (``use_resource=False``, the default under
+    ``disable_v2_behavior``)."""
+    return isinstance(value, tf.Variable) and not is_resource_variable(value)
+
+
+def reference_tensor(variable) -> tf.Tensor:
+    """The ``float32_ref`` tensor of a reference variable: what tf.gradients differentiates
+    with respect to (its ``read`` identity and every other reader consume it)."""
+    return tf_ops.convert_to_tensor(variable, as_ref=True)
+
+
+def _captured_as(graph, external):
+    """The placeholder through which function graph ``graph`` captured ``external``, if any."""
+    for outer, inner in getattr(graph, "captures", ()):
+        if outer is external:
+            return inner
+    return None
+
+
+def as_seen_from(value, graph):
+    """``value`` as the ops of ``graph`` read it, or None where they cannot read it at all.
+
+    A tensor of ``graph`` is itself. A tensor of an enclosing graph (or an eager tensor, or a
+    variable's handle) is read inside a ``tf.function``, a nested one or a while_v2/cond_v2
+    body through the placeholders that captured it, one per nesting level: tf.gradients
+    follows the same chain (``gradients_util._MaybeCaptured``). None means ``graph`` never
+    captured it, so nothing there depends on it.
+    """
+    if not is_eager_tensor(value) and value.graph is graph:
+        return value
+    direct = _captured_as(graph, value)
+    if direct is not None:
+        return direct
+    outer = getattr(graph, "outer_graph", None)
+    if outer is None:
+        return None
+    seen_outside = as_seen_from(value, outer)
+    return None if seen_outside is None else _captured_as(graph, seen_outside)
+
+
+def captured_value(t: tf.Tensor):
+    """The tensor one graph out that placeholder ``t`` of a function graph captured, or None."""
+    if is_eager_tensor(t) or t.op.type != "Placeholder" or not is_function_graph(t.graph):
+        return None
+    for outer, inner in t.graph.captures:
+        if inner is t:
+            return outer
+    return None
+
+
+def _depends_on(t, x_refs: set) -> bool:
+    """Whether ``t`` is computed from a tensor in ``x_refs``, following data edges and, out of
+    function graphs, captures (as tf.gradients' walk does)."""
+    seen, stack = set(), [t]
+    while stack:
+        t = stack.pop()
+        if t is None or is_eager_tensor(t) or t.ref() in seen:
+            continue
+        seen.add(t.ref())
+        if t.ref() in x_refs:
+            return True
+        stack.append(captured_value(t))
+        stack.extend(t.op.inputs)
+    return False
+
+
+def is_captured_value(given, seen) -> bool:
+    """Whether ``seen`` is a placeholder that captured ``given``, a graph value (neither eager
+    nor a resource handle) that the capture path carries (see :func:`crossing_captures`)."""
+    return (given is not seen and not is_eager_tensor(given) and given.dtype != tf.resource)
+
+
+def crossing_captures(ys: Sequence[tf.Tensor], outer_xs: Sequence[tf.Tensor],
+                      stop_ops: Iterable[tf.Operation] = ()) -> list[tf.Tensor]:
+    """Captured placeholders of ys' graph that ys read and whose captured value is one of
+    ``outer_xs`` (tensors of enclosing graphs) or computed from one: where ys' dependence on
+    those xs leaves the graph (design note "captured xs"). Eager values and resource handles
+    are left out: nothing computes them, so their own capture is all there is."""
+    x_refs = {x.ref() for x in outer_xs if not is_eager_tensor(x)}
+    if not x_refs:
+        return []
+    stop_ops = set(stop_ops)
+    found, seen, stack = [], set(), [y.op for y in ys]
+    while stack:
+        op = stack.pop()
+        if op in seen or op in stop_ops:
+            continue
+        seen.add(op)
+        if op.type == "Placeholder":
+            value = captured_value(op.outputs[0])
+            if (value is not None and not is_eager_tensor(value) and carries_gradients(value)
+                    and value.dtype != tf.resource and _depends_on(value, x_refs)):
+                found.append(op.outputs[0])
+        stack.extend(t.op for t in op.inputs)
+    found.sort(key=lambda t: t.op._id)  # pylint: disable=protected-access
+    return found
+
+
+def is_function_graph(graph) -> bool:
+    """A ``tf.function``'s graph, or a cond_v2/while_v2 branch or body."""
+    return isinstance(graph, func_graph_module.FuncGraph)
+
+
+def encloses(outer, graph) -> bool:
+    """Whether ``graph`` is ``outer`` or a function graph nested (at any depth) inside it."""
+    while graph is not None:
+        if graph is outer:
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 def carries_gradients(t: tf.Tensor) -> bool:
@@ -73,8 +227,13 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
 
 
 def uses_v1_control_flow(op: tf.Operation) -> bool:
+    """Whether ``op`` is TF1 control flow or inside a TF1 while loop or cond.
+
+    Only while and cond contexts count: a call of a ``tf.function(jit_compile=True)`` (Keras'
+    grouped convolutions) carries an ``XLAControlFlowContext``, which is not control flow.
+    """
     return (op.type in policies.V1_CONTROL_FLOW_OP_TYPES
-            or getattr(op, "_control_flow_context", None) is not None)
+            or control_flow_util.IsInWhileLoop(op) or control_flow_util.IsInCond(op))
 
 
 def is_replayable(op: tf.Operation) -> bool:
@@ -89,6 +248,44 @@ def is_replayable(op: tf.Operation) -> bool:
         return not op.op_def.is_stateful
     except (AttributeError, ValueError):
         return False
+
+
+#: Ops that call a function by name in their ``f`` attribute (a ``tf.function`` called while
+#: another graph is traced; Keras' grouped convolutions call a ``jit_compile`` one).
+CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+
+
+def _called_function_ops(op: tf.Operation) -> list[str]:
+    """Op types inside the function a call op runs (nested calls included), or ``[]``."""
+    found, pending, seen = [], [op.get_attr("f").name], set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        graph, function = op.graph, None
+        while graph is not None and function is None:  # a FuncGraph looks outward for it
+            function = graph._get_function(name)  # pylint: disable=protected-access
+            graph = getattr(graph, "outer_graph", None)
+        if function is None:
+            continue
+        for node in function.cached_definition.node_def:
+            found.append(node.op)
+            if node.op in CALL_OP_TYPES:
+                pending.append(node.attr["f"].func.name)
+    return found
+
+
+def is_expensive(op: tf.Operation) -> bool:
+    """A matmul/convolution/einsum op, or a call of a function that runs one."""
+    if policies.is_expensive_op_type(op.type):
+        return True
+    if op.type in CALL_OP_TYPES:
+        try:
+            return any(policies.is_expensive_op_type(t) for t in _called_function_ops(op))
+        except (AttributeError, ValueError):
+            return False
+    return False
 
 
 def tensor_bytes(t: tf.Tensor) -> int:
@@ -228,7 +425,7 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
         reads_source=tuple(reads_source),
         feeds_sink=tuple(op in y_ops for op in region),
         names=tuple(op.name for op in region),
-        expensive=tuple(policies.is_expensive_op_type(op.type) for op in region),
+        expensive=tuple(is_expensive(op) for op in region),
         grad_reads_inputs=tuple(reads_inputs),
         grad_reads_output=tuple(policies.gradient_reads_output(op.type) for op in region),
         param_bytes=tuple(params),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 import statistics
 from typing import Iterable, Mapping, Sequence
@@ -37,6 +38,9 @@ BYTE_UNITS = {
 }
 #: Name of the solver a budget uses unless it says otherwise (see ``solvers.SOLVERS``).
 DEFAULT_SOLVER = "greedy"
+#: The largest int64: byte counts beyond it overflow NumPy integers, and no machine has 8 EiB
+#: to give (every solver plans at this budget).
+MAX_BUDGET_BYTES = 2**63 - 1
 STRING_PREFIX = "budget:"
 
 _AMOUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
@@ -67,7 +71,9 @@ class Budget:
 
     Among the plans whose predicted peak fits, the solver returns one that recomputes least.
     A budget below the smallest predicted peak any plan reaches raises
-    :class:`~memsave_grads.errors.InfeasibleBudgetError`, which states that smallest peak.
+    :class:`~memsave_grads.errors.InfeasibleBudgetError`, which states that smallest peak;
+    under :func:`memsave_grads.patch` and ``wrap_model`` with ``fallback="warn"``, the plan with
+    that smallest peak is used instead, with one warning.
     """
 
     bytes: int | None = None
@@ -83,20 +89,13 @@ class Budget:
                 f"fraction={self.fraction!r}. Example: Budget(bytes=4 * 2**30) or "
                 "Budget(fraction=0.5).")
         if self.bytes is not None:
-            if isinstance(self.bytes, bool) or not isinstance(self.bytes, (int, float)) or \
-                    not math.isfinite(self.bytes) or self.bytes <= 0:
-                raise errors.InvalidArgumentError(
-                    f"Budget.bytes: expected a positive number of bytes, got {self.bytes!r}. "
-                    "Example: Budget(bytes=4 * 2**30) for 4 GiB.")
-            object.__setattr__(self, "bytes", int(self.bytes))
+            object.__setattr__(self, "bytes", _checked_bytes(self.bytes))
         if self.fraction is not None:
-            if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) \
-                    or not 0 < self.fraction <= 1:
-                raise errors.InvalidArgumentError(
-                    f"Budget.fraction: expected a number in (0, 1] (a share of tf.gradients' "
-                    f"predicted peak), got {self.fraction!r}. Example: Budget(fraction=0.5).")
+            object.__setattr__(self, "fraction", _checked_fraction(self.fraction))
+        if self.op_seconds is not None:
+            _check_op_seconds(self.op_seconds)
         from memsave_grads import solvers  # pylint: disable=import-outside-toplevel
-        if self.solver not in solvers.SOLVERS:
+        if not isinstance(self.solver, str) or self.solver not in solvers.SOLVERS:
             raise errors.InvalidArgumentError(
                 f"Budget.solver: unknown solver {self.solver!r}; expected one of "
                 f"{sorted(solvers.SOLVERS)}.")
@@ -108,6 +107,10 @@ class Budget:
         ``<amount>`` is bytes with a unit (``4GiB``, ``512MB``, ``1e9B``), a percentage
         (``60%``) or a bare number in (0, 1] (a fraction).
         """
+        if not isinstance(text, str):
+            raise errors.InvalidTypeError(
+                f"checkpoints: expected a budget string such as 'budget:4GiB' or 'budget:60%', "
+                f"got {type(text).__name__}: {text!r:.80}.")
         body = text[len(STRING_PREFIX):] if text.startswith(STRING_PREFIX) else text
         amount, _, solver = body.partition(":")
         example = ("Examples: 'budget:4GiB', 'budget:512MiB', 'budget:60%', 'budget:0.6', "
@@ -132,7 +135,14 @@ class Budget:
             raise errors.InvalidArgumentError(
                 f"checkpoints: budget {text!r} has an unknown unit {match.group(2)!r}; expected "
                 f"one of {sorted(BYTE_UNITS)} (case-insensitive) or %. {example}")
-        return cls(bytes=int(value * BYTE_UNITS[unit]), solver=solver)
+        nbytes = value * BYTE_UNITS[unit]
+        # "1e999B" reads as inf: int() of it would raise a bare OverflowError.
+        if not nbytes <= MAX_BUDGET_BYTES:
+            raise errors.InvalidArgumentError(
+                f"checkpoints: budget {text!r} is larger than the largest budget, "
+                f"{MAX_BUDGET_BYTES} bytes (8 EiB). Pass the memory the step may use, such as "
+                f"'budget:4GiB', or a fraction. {example}")
+        return cls(bytes=int(nbytes), solver=solver)
 
     def describe(self) -> str:
         amount = format_bytes(self.bytes) if self.bytes is not None else f"{self.fraction:.0%}"
@@ -147,6 +157,49 @@ class Budget:
 
 def is_budget_string(value) -> bool:
     return isinstance(value, str) and value.startswith(STRING_PREFIX)
+
+
+def _checked_bytes(value) -> int:
+    """``Budget.bytes`` as a builtin int, or our error. NumPy integers and floats are numbers
+    too (``numbers.Integral``/``Real``); ints are compared as ints because ``float(10**400)``
+    itself overflows."""
+    example = "Example: Budget(bytes=4 * 2**30) for 4 GiB."
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise errors.InvalidArgumentError(
+            f"Budget.bytes: expected a positive number of bytes, got "
+            f"{type(value).__name__}: {value!r:.80}. {example}")
+    if isinstance(value, numbers.Integral):
+        nbytes = int(value)
+    elif math.isfinite(float(value)):
+        nbytes = int(float(value))
+    else:
+        nbytes = None
+    if nbytes is None or not 1 <= nbytes <= MAX_BUDGET_BYTES:
+        raise errors.InvalidArgumentError(
+            f"Budget.bytes: expected a positive number of bytes up to {MAX_BUDGET_BYTES} (8 EiB), "
+            f"got {value!r:.80}. {example}")
+    return nbytes
+
+
+def _checked_fraction(value) -> float:
+    """``Budget.fraction`` as a builtin float in (0, 1], or our error (NumPy scalars accepted)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+            not 0 < float(value) <= 1:
+        raise errors.InvalidArgumentError(
+            f"Budget.fraction: expected a number in (0, 1] (a share of tf.gradients' "
+            f"predicted peak), got {value!r:.80}. Example: Budget(fraction=0.5).")
+    return float(value)
+
+
+def _check_op_seconds(op_seconds) -> None:
+    if not isinstance(op_seconds, Mapping) or not all(
+            isinstance(name, str) and isinstance(seconds, numbers.Real)
+            and not isinstance(seconds, bool) and math.isfinite(float(seconds)) and seconds >= 0
+            for name, seconds in op_seconds.items()):
+        raise errors.InvalidArgumentError(
+            f"Budget.op_seconds: expected a mapping from op name (str) to measured seconds "
+            f"(a finite number >= 0), got {op_seconds!r:.80}. Pass the result of "
+            "memsave_grads.profile_op_seconds(...), or leave it out to use FLOP estimates.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,12 +288,37 @@ def score(problem: BudgetProblem, kept: Iterable[int]) -> tuple[frozenset, int, 
 def infeasible(problem: BudgetProblem, smallest_peak_bytes: int,
                solver: str) -> errors.InfeasibleBudgetError:
     """The error for a budget no plan meets, stating the smallest predicted peak reached."""
-    return errors.InfeasibleBudgetError(
+    plain_bytes = memory_model.plain_peak_bytes(problem.graph)
+    error = errors.InfeasibleBudgetError(
         f"checkpoints: the budget of {format_bytes(problem.budget_bytes)} "
         f"({problem.budget_bytes} bytes) is below the smallest peak the solver found: "
         f"{format_bytes(smallest_peak_bytes)} "
-        f"({smallest_peak_bytes} bytes, static memory model, solver {solver!r}). Raise the budget "
-        f"to at least that, or reduce the batch size.", min_feasible_bytes=smallest_peak_bytes)
+        f"({smallest_peak_bytes} bytes, {_share(smallest_peak_bytes, plain_bytes)} of plain "
+        f"tf.gradients' {format_bytes(plain_bytes)}; static memory model, solver {solver!r}). "
+        f"Raise the budget to at least that, or reduce the batch size.")
+    error.min_feasible_bytes = smallest_peak_bytes
+    error.budget_bytes = problem.budget_bytes
+    error.plain_peak_bytes = plain_bytes
+    return error
+
+
+def _share(nbytes: int, plain_bytes: int) -> str:
+    return f"{nbytes / plain_bytes:.1%}" if plain_bytes > 0 else "n/a"
+
+
+def smallest_peak_budget(error: errors.InfeasibleBudgetError, asked: Budget) -> Budget | None:
+    """``asked`` re-aimed at the smallest predicted peak ``error`` reports, or ``None`` where
+    plain ``tf.gradients`` is predicted to peak no higher (then it is the smallest-peak plan).
+
+    The new budget is a fraction of the plain peak, not bytes, so that it also applies where
+    sizes are unknown (a ``None`` batch dimension refuses byte budgets); it is rounded up so
+    that it resolves to at least ``min_feasible_bytes``.
+    """
+    smallest, plain = error.min_feasible_bytes, error.plain_peak_bytes
+    if smallest is None or not plain or smallest >= plain:
+        return None
+    fraction = min(math.nextafter(smallest / plain, math.inf), 1.0)
+    return dataclasses.replace(asked, bytes=None, fraction=fraction)
 
 
 # --------------------------------------------------------------------------------------------

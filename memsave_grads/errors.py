@@ -47,14 +47,19 @@ class NotDifferentiableError(InvalidArgumentError):
 class InfeasibleBudgetError(InvalidArgumentError):
     """A memory budget is below the smallest peak any plan reaches.
 
-    Attributes:
+    Attributes (set by ``budgets.infeasible``; ``None`` on a copy that AutoGraph re-raised,
+    which keeps only the type and the message):
       min_feasible_bytes: the smallest predicted peak the solver found (for an exact solver,
         the smallest there is): a budget at least this large is feasible.
+      budget_bytes: the budget asked for, in bytes (a fraction resolved against the plain peak).
+      plain_peak_bytes: the predicted peak of plain ``tf.gradients`` on the same graph, so a
+        caller can state both numbers as fractions of it or ask again with a fraction.
     """
 
-    def __init__(self, message: str, min_feasible_bytes: int | None = None):
-        super().__init__(message)
-        self.min_feasible_bytes = min_feasible_bytes
+    # No __init__ of its own, so that the type survives AutoGraph (see MemsaveGradsError).
+    min_feasible_bytes: int | None = None
+    budget_bytes: int | None = None
+    plain_peak_bytes: int | None = None
 
 
 class MissingDependencyError(MemsaveGradsError, ImportError):
@@ -78,6 +83,15 @@ class PatchStateError(MemsaveGradsError, RuntimeError):
     """``patch()``/``unpatch()`` called in the wrong state."""
 
 
+class FinalizedGraphError(MemsaveGradsError, RuntimeError):
+    """The graph of ``ys`` is finalized: no gradient op can be added to it (``tf.gradients``
+    cannot add its own either, so there is nothing to fall back to)."""
+
+
 #: Errors after which a patched ``tf.gradients`` may fall back to the original function: the
-#: graph is fine for TensorFlow, we merely have nothing to gain or cannot rewrite it.
-FALLBACK_ERRORS = (NoCheckpointsFoundError, NotDifferentiableError, UnsupportedGraphError)
+#: graph is fine for TensorFlow, we merely have nothing to gain or cannot rewrite it. A
+#: checkpoint list given to ``patch()`` applies to every gradient call of the program, so a
+#: call it has nothing on the path of (a second-order call inside ``tf.hessians``) falls back
+#: too.
+FALLBACK_ERRORS = (NoCheckpointsFoundError, NotDifferentiableError, UnsupportedGraphError,
+                   CheckpointNotOnPathError)

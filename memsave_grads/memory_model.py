@@ -21,9 +21,13 @@ An input is kept for the backward pass only when its reader's gradient actually 
 into an input nothing else holds, as TensorFlow's kernels do (``ForwardGraph.forwards_buffer``).
 
 Sizes come from static shapes (unknown dimensions count as 1, so the result scales linearly
-with an unknown batch size). What the model leaves out: op workspaces (convolution scratch
-buffers), the executor running independent ops in parallel, and partials that are summed
-(each gradient is counted once). It is an estimate for comparing plans and for a report, not a
+with an unknown batch size). Scratch buffers of gradient kernels enter only when the caller
+passes ``workspace_bytes`` (see :func:`conv2d_gradient_workspace_bytes`): they do not depend on
+the batch, so they cannot be added to sizes counted per example, and the planners leave them
+out (every plan runs each gradient kernel once, so they shift every plan alike). What the model
+leaves out: other op workspaces, the executor running independent ops in parallel, the
+allocator serving a request from a larger free chunk, and partials that are summed (each
+gradient is counted once). It is an estimate for comparing plans and for a report, not a
 measurement; the benchmark prints both.
 """
 
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from memsave_grads import graph as graph_lib
 
@@ -40,6 +44,13 @@ from memsave_grads import graph as graph_lib
 #: gradient, and the copy the optimizer's update makes of the variable while that step still
 #: reads it (measured on MLPs: two weight-sized buffers above the activations).
 VARIABLE_UPDATE_FACTOR = 2
+
+#: TensorFlow's CPU ``Conv2DBackpropFilter`` kernel (``Conv2DCustomBackpropFilterOp``) im2cols as
+#: many images at once as fill a working set of this size (its guess of an L3 cache), whatever
+#: the batch size: tens of MiB of scratch at every convolution's backward step, which is most of
+#: a small batch's peak (measured: 22.5 MiB for a 3x3 conv of 64 channels on 16x16 images at
+#: batch 1 and 2 alike, as the formula gives).
+CONV_FILTER_GRADIENT_WORKING_SET_BYTES = 30 * 2**20
 
 
 class _Ledger:
@@ -124,8 +135,36 @@ def segments(graph: graph_lib.ForwardGraph, kept: Iterable[int],
     return Segments(top=top, owned=owned, level=level)
 
 
-def plain_peak_bytes(graph: graph_lib.ForwardGraph) -> int:
-    """Predicted peak of forward + backward with plain ``tf.gradients``."""
+def conv2d_gradient_workspace_bytes(output_pixels: int, window_pixels: int, in_channels: int,
+                                    out_channels: int, itemsize: int, filter_gradient: bool,
+                                    input_gradient: bool) -> int:
+    """Scratch bytes TensorFlow's CPU kernels allocate while differentiating one 2-D convolution
+    (``output_pixels`` per image, a window of ``window_pixels`` x ``in_channels``).
+
+    The filter gradient im2cols ``ceil(working set / work unit)`` images at once, a count that
+    ignores the batch size (``Conv2DCustomBackpropFilterOp``); the input gradient im2cols one
+    image. Both buffers live only while their kernel runs.
+    """
+    window = window_pixels * in_channels
+    columns = output_pixels * window  # one image's im2col matrix, in elements
+    workspace = 0
+    if filter_gradient and columns:
+        work_unit = columns + output_pixels * out_channels + window * out_channels
+        working_set = CONV_FILTER_GRADIENT_WORKING_SET_BYTES // itemsize
+        images_at_once = -(-working_set // work_unit)
+        workspace += images_at_once * columns * itemsize
+    if input_gradient:
+        workspace += columns * itemsize
+    return workspace
+
+
+def plain_peak_bytes(graph: graph_lib.ForwardGraph,
+                     workspace_bytes: Sequence[int] | None = None) -> int:
+    """Predicted peak of forward + backward with plain ``tf.gradients``.
+
+    ``workspace_bytes``: scratch each node's backward step allocates for its duration (see
+    :func:`conv2d_gradient_workspace_bytes`); none when not given.
+    """
     n = graph.num_nodes
     consumers = graph.consumers()
     release_at, retained = _backward_readers(graph, consumers, range(n))
@@ -133,14 +172,16 @@ def plain_peak_bytes(graph: graph_lib.ForwardGraph) -> int:
     _forward(graph, range(n), consumers, retained, ledger, kept=())
     grads: set[int] = set()
     for v in reversed(range(n)):
-        _backward_step(graph, v, grads, ledger, release_at)
+        _backward_step(graph, v, grads, ledger, release_at, workspace_bytes)
     return ledger.peak
 
 
 def plan_peak_bytes(graph: graph_lib.ForwardGraph, kept: Iterable[int],
-                    not_replayed: Iterable[int] = (), segs: Segments | None = None) -> int:
+                    not_replayed: Iterable[int] = (), segs: Segments | None = None,
+                    workspace_bytes: Sequence[int] | None = None) -> int:
     """Predicted peak of forward + backward when ``kept`` are the only outputs kept
-    (``segs``: their :func:`segments`, if already at hand)."""
+    (``segs``: their :func:`segments`, if already at hand; ``workspace_bytes`` as in
+    :func:`plain_peak_bytes`)."""
     kept = set(kept)
     segs = segments(graph, kept, not_replayed) if segs is None else segs
     n = graph.num_nodes
@@ -151,7 +192,7 @@ def plan_peak_bytes(graph: graph_lib.ForwardGraph, kept: Iterable[int],
     _forward(graph, range(n), consumers, retained, ledger, kept)
     grads: set[int] = set()
     for v in reversed(segs.top):
-        _backward_step(graph, v, grads, ledger, release_at)
+        _backward_step(graph, v, grads, ledger, release_at, workspace_bytes)
     for group in segs.levels():
         for k in group:  # every reader of k is in a lower level, done by now
             ledger.free(graph.size_bytes[k])  # kept: a view's buffer counts too
@@ -160,10 +201,10 @@ def plan_peak_bytes(graph: graph_lib.ForwardGraph, kept: Iterable[int],
         release_at, saved = _backward_readers(graph, consumers, recomputed)
         _forward(graph, recomputed, consumers, saved, ledger, kept=())
         for v in reversed(recomputed):
-            _backward_step(graph, v, grads, ledger, release_at)
+            _backward_step(graph, v, grads, ledger, release_at, workspace_bytes)
         for k in active:
             if k in grads:  # a never-replayed kept node: its gradient goes to xs
-                _backward_step(graph, k, grads, ledger, {})
+                _backward_step(graph, k, grads, ledger, {}, workspace_bytes)
     return ledger.peak
 
 
@@ -231,10 +272,12 @@ def _forward(graph, order, consumers, retained, ledger, kept) -> None:
             ledger.free(size)
 
 
-def _backward_step(graph, v, grads: set, ledger, release_at) -> None:
+def _backward_step(graph, v, grads: set, ledger, release_at,
+                   workspace_bytes: Sequence[int] | None = None) -> None:
     """Backprop through ``v``: allocate its inputs' gradients and its variables' gradients
-    (applied at once, so only a spike), free its own gradient and the outputs no later step
-    reads. Partials for kept nodes stay in ``grads`` until their level."""
+    (applied at once, so only a spike, as is the kernels' scratch), free its own gradient and
+    the outputs no later step reads. Partials for kept nodes stay in ``grads`` until their
+    level."""
     if v in grads or graph.feeds_sink[v]:
         # An elementwise op's gradient kernel writes one input's gradient into its own buffer.
         reuse = v in grads and graph.forwards_buffer(v)
@@ -248,8 +291,11 @@ def _backward_step(graph, v, grads: set, ledger, release_at) -> None:
                 ledger.alloc(graph.size_bytes[p])
         # The variables' gradients, and the copies their updates make: an update that runs
         # while this step still reads the variable copies it first (copy-on-write).
-        ledger.alloc(VARIABLE_UPDATE_FACTOR * graph.params_of(v))
-        ledger.free(VARIABLE_UPDATE_FACTOR * graph.params_of(v))
+        spike = VARIABLE_UPDATE_FACTOR * graph.params_of(v)
+        if workspace_bytes:
+            spike += workspace_bytes[v]
+        ledger.alloc(spike)
+        ledger.free(spike)
         if v in grads:
             grads.discard(v)
             ledger.free(graph.size_bytes[v])

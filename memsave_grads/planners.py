@@ -171,8 +171,8 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     closed for single ownership and scored with the static memory model; the plan with the
     lowest predicted peak wins, and among plans of (nearly) equal peak the one that recomputes
     least. Returns ``None`` when no position can be cut (every frontier holds a non-candidate,
-    or the graph has a single op). A plan that predicts no saving is still returned (the caller
-    asked for recomputation; it is logged).
+    or the graph has a single op). A plan that predicts no saving is still returned and logged;
+    whether to run it is the never-worse rule's call (``_select.decide_schedule``).
     """
     not_replayed = set(not_replayed)
     search = CutSearch(graph, must_keep, candidates)
@@ -210,7 +210,9 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
                              memory_model.plan_peak_bytes(graph, kept, not_replayed, segs), cost))
     best_peak = min(p.predicted_peak_bytes for p in plans)
     if best_peak >= plain_peak:
+        # Returned all the same: explain() reports it, and gradients() keeps tf.gradients'
+        # schedule for it (_select.decide_schedule, docs/design.md note "never worse").
         logging.info("memsave_grads: no plan of %d nodes predicts a lower peak than "
-                     "tf.gradients (%d bytes); using the best one anyway", n, plain_peak)
+                     "tf.gradients (%d bytes)", n, plain_peak)
     equal = [p for p in plans if p.predicted_peak_bytes <= EQUAL_PEAK_FACTOR * best_peak]
     return min(equal, key=lambda p: (p.recompute_cost, p.predicted_peak_bytes))

@@ -73,7 +73,7 @@ MIRRORED = textwrap.dedent(r"""
         losses, values, concrete = train(method)
         result[method] = {"losses": losses, "values": values}
 
-    # Where the traced graph puts each recomputed op. Boundaries (stop_gradient of a kept
+    # Where the traced graph puts each recomputed op. Boundaries (identity of a kept
     # tensor) are colocated with what they read; for a variable read that is the replica's
     # variable, whose handle is captured from outside the function.
     graph = concrete.graph

@@ -1,10 +1,12 @@
 """Bad input gets our own exception type, a message naming the argument and the remedy, and
 leaves no new op in the graph."""
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
 import memsave_grads as mg
+from conftest import assert_grads_close
 
 
 @pytest.fixture
@@ -94,10 +96,12 @@ def test_integer_or_boolean_ys_and_xs(chain, which, dtype):
         assert tf.gradients(ys, xs) == [None]
 
 
-def test_empty_xs(chain):
+def test_empty_xs_is_not_an_error(chain):
+    """tf.gradients(y, []) is []; so is ours, and it adds nothing to the graph."""
     graph, _, _, y = chain
-    _raises(graph, mg.InvalidArgumentError, "xs: got an empty list",
-            lambda: mg.gradients(y, [], checkpoints="memory"))
+    before = len(graph.get_operations())
+    assert mg.gradients(y, [], checkpoints="memory") == []
+    assert len(graph.get_operations()) == before
 
 
 def test_empty_checkpoint_list(chain):
@@ -110,7 +114,7 @@ def test_xs_from_another_graph(chain):
     graph, _, _, y = chain
     with tf.Graph().as_default():
         foreign = tf.constant(1.0)
-    _raises(graph, mg.InvalidArgumentError, r"xs\[0\].*another graph",
+    _raises(graph, mg.InvalidArgumentError, r"xs\[0\].*neither is nor encloses the graph of ys",
             lambda: mg.gradients(y, foreign, checkpoints="memory"))
 
 
@@ -194,3 +198,223 @@ def test_v1_control_flow_is_refused(graph):
     y = tf.reduce_sum(tf.tanh(z))
     _raises(graph, mg.UnsupportedGraphError, "enable_control_flow_v2",
             lambda: mg.gradients(y, x, checkpoints=[h]))
+
+
+# --------------------------------------------------------------------------------------------
+# Every argument is checked before any op is added (issue 14, item 5)
+# --------------------------------------------------------------------------------------------
+
+
+def _raises_builtin(graph, exc_type, builtin, match, fn):
+    err = _raises(graph, exc_type, match, fn)
+    assert isinstance(err, builtin), f"{type(err).__name__} is not a {builtin.__name__}"
+    return err
+
+
+@pytest.mark.parametrize("make_grad_y, exc_type, builtin, match", [
+    (lambda: tf.ones([1, 2], tf.float64), mg.InvalidTypeError, TypeError,
+     r"grad_ys\[0\]: expected float32 .*got float64.*tf.cast"),
+    (lambda: np.ones([1, 2]), mg.InvalidTypeError, TypeError,  # NumPy's default is float64
+     r"grad_ys\[0\]: expected float32 .*got float64"),
+    (lambda: [[1, 2]], mg.InvalidTypeError, TypeError, r"grad_ys\[0\]: expected float32.*int32"),
+    (lambda: tf.ones([3]), mg.InvalidArgumentError, ValueError,
+     r"grad_ys\[0\]: expected a shape compatible with ys\[0\] 'h3:0', \(1, 2\), got \(3,\)"),
+    # tf.gradients broadcasts this one silently into a wrong gradient.
+    (lambda: tf.ones([1, 2, 1]), mg.InvalidArgumentError, ValueError,
+     r"grad_ys\[0\]: expected a shape compatible"),
+    (lambda: tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([4, 2])),
+     mg.InvalidArgumentError, ValueError, r"grad_ys\[0\]: expected a shape compatible"),
+    (lambda: object(), mg.InvalidTypeError, TypeError, r"grad_ys\[0\]: expected a tf.Tensor"),
+])
+def test_bad_grad_ys(chain, make_grad_y, exc_type, builtin, match):
+    graph, x, (_, _, h3), _ = chain
+    grad_y = make_grad_y()
+    _raises_builtin(graph, exc_type, builtin, match,
+                    lambda: mg.gradients(h3, x, grad_ys=[grad_y], checkpoints="memory"))
+
+
+def test_grad_ys_from_another_graph(chain):
+    graph, x, _, y = chain
+    with tf.Graph().as_default():
+        foreign = tf.constant(1.0)
+    _raises_builtin(graph, mg.InvalidArgumentError, ValueError,
+                    r"grad_ys\[0\]: the tensor 'Const:0' belongs to a graph",
+                    lambda: mg.gradients(y, x, grad_ys=[foreign], checkpoints="memory"))
+
+
+def test_eager_grad_ys_in_a_tf_graph():
+    assert tf.executing_eagerly()
+    eager = tf.constant(1.0)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.constant([1.0, 2.0])
+        y = tf.reduce_sum(tf.tanh(tf.tanh(x)))
+        _raises_builtin(graph, mg.EagerExecutionError, RuntimeError,
+                        r"grad_ys\[0\]: got an eager",
+                        lambda: mg.gradients(y, x, grad_ys=[eager], checkpoints="memory"))
+
+
+def test_complex_y_needs_an_explicit_grad_y(chain):
+    graph, x, (_, _, h3), _ = chain
+    z = tf.complex(h3, h3)
+    _raises_builtin(graph, mg.InvalidTypeError, TypeError, r"grad_ys\[0\]: ys\[0\].*complex64",
+                    lambda: mg.gradients(z, x, checkpoints="memory"))
+
+
+def test_bad_grad_ys_is_blamed_before_an_empty_collection(chain):
+    graph, x, (_, _, h3), _ = chain
+    assert not graph.get_collection("checkpoints")
+    wrong = tf.ones([3])
+    _raises(graph, mg.InvalidArgumentError, r"grad_ys\[0\]: expected a shape",
+            lambda: mg.gradients(h3, x, grad_ys=[wrong]))  # checkpoints="collection"
+
+
+def test_bad_grad_ys_under_patch_is_our_error(chain):
+    graph, x, (_, _, h3), _ = chain
+    wrong = tf.ones([1, 2], tf.float64)
+    with mg.patch("memory"):
+        _raises(graph, mg.InvalidTypeError, r"grad_ys\[0\]", lambda: tf.gradients(h3, x, wrong))
+
+
+@pytest.mark.parametrize("method, match", [
+    (999, r"aggregation_method: expected None or one of tf.AggregationMethod.ADD_N \(0\).*999"),
+    ("add_n", "aggregation_method: .*'add_n'"),
+])
+def test_bad_aggregation_method(chain, method, match):
+    graph, x, _, y = chain
+    _raises_builtin(graph, mg.InvalidArgumentError, ValueError, match,
+                    lambda: mg.gradients(y, x, checkpoints="memory", aggregation_method=method))
+
+
+@pytest.mark.parametrize("name, exc_type, builtin, match", [
+    ("a b", mg.InvalidArgumentError, ValueError, "name: expected a valid name scope.*'a b'"),
+    ("_hidden", mg.InvalidArgumentError, ValueError, "name: .*'_hidden'"),  # root rule
+    (5, mg.InvalidTypeError, TypeError, "name: expected a string.*int"),
+])
+def test_bad_name(chain, name, exc_type, builtin, match):
+    graph, x, _, y = chain
+    _raises_builtin(graph, exc_type, builtin, match,
+                    lambda: mg.gradients(y, x, checkpoints="memory", name=name))
+
+
+def test_stop_gradients_from_another_graph(chain):
+    graph, x, _, y = chain
+    with tf.Graph().as_default():
+        foreign = tf.constant(1.0)
+    _raises_builtin(graph, mg.InvalidArgumentError, ValueError,
+                    r"stop_gradients\[0\]: the tensor 'Const:0' belongs to a graph",
+                    lambda: mg.gradients(y, x, checkpoints="memory", stop_gradients=[foreign]))
+
+
+def test_finalized_graph(chain):
+    graph, x, _, y = chain
+    graph.finalize()
+    err = _raises_builtin(graph, mg.errors.FinalizedGraphError, RuntimeError,
+                          "ys: the graph of ys is finalized.*before",
+                          lambda: mg.gradients(y, x, checkpoints="memory"))
+    assert "optimizer.minimize" in str(err)
+    # tf.gradients cannot add ops there either: the patched path raises too, not falls back.
+    with mg.patch("memory"):
+        _raises(graph, mg.errors.FinalizedGraphError, "finalized", lambda: tf.gradients(y, x))
+
+
+@pytest.mark.parametrize("budget, match", [
+    ("budget:1e999B", "checkpoints: budget 'budget:1e999B' is larger than the largest"),
+    ("budget:1e300TiB", "is larger than the largest"),
+])
+def test_huge_budget_strings(chain, budget, match):
+    graph, x, _, y = chain
+    _raises_builtin(graph, mg.InvalidArgumentError, ValueError, match,
+                    lambda: mg.gradients(y, x, checkpoints=budget))
+    with pytest.raises(mg.InvalidArgumentError, match=match):
+        mg.patch(budget)
+    assert not mg.is_patched()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"bytes": 10**400}, "Budget.bytes: expected a positive number of bytes up to"),
+    ({"bytes": float("inf")}, "Budget.bytes: .*inf"),
+    ({"bytes": 0.5}, "Budget.bytes: .*0.5"),  # rounds down to no byte at all
+    ({"bytes": "4GiB"}, "Budget.bytes: .*str"),
+    ({"bytes": np.bool_(True)}, "Budget.bytes"),
+    ({"fraction": np.float64("nan")}, "Budget.fraction"),
+    ({"fraction": 0.5, "solver": ["dp"]}, "Budget.solver: unknown solver"),
+    ({"fraction": 0.5, "op_seconds": [("MatMul", 1.0)]}, "Budget.op_seconds: expected a mapping"),
+    ({"fraction": 0.5, "op_seconds": {"MatMul": -1.0}}, "Budget.op_seconds"),
+])
+def test_bad_budget_values(kwargs, match):
+    with pytest.raises(mg.InvalidArgumentError, match=match) as info:
+        mg.Budget(**kwargs)
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({"fraction": np.float32(0.5)}, mg.Budget(fraction=0.5)),
+    ({"fraction": np.float64(0.25)}, mg.Budget(fraction=0.25)),
+    ({"bytes": np.int64(4096)}, mg.Budget(bytes=4096)),
+    ({"bytes": np.uint32(4096)}, mg.Budget(bytes=4096)),
+    ({"bytes": np.float32(4096.0)}, mg.Budget(bytes=4096)),
+])
+def test_numpy_scalars_are_budgets(kwargs, expected):
+    budget = mg.Budget(**kwargs)
+    assert budget == expected
+    value = budget.bytes if budget.bytes is not None else budget.fraction
+    assert type(value) in (int, float)  # builtin, so repr and arithmetic are plain
+
+
+# --------------------------------------------------------------------------------------------
+# ... and what tf.gradients accepts, we accept, with its values
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [
+    "nested_list", "numpy_float32", "indexed_slices", "none_entry", "unknown_shape",
+    "aggregation_tree", "bytes_name", "reused_scope_name"])
+def test_accepted_like_tf_gradients(graph, session, case):
+    x = tf.constant(np.arange(6, dtype=np.float32).reshape(2, 3) / 5, name="x")
+    w = tf.constant(np.linspace(-1, 1, 9, dtype=np.float32).reshape(3, 3), name="w")
+    h = x
+    for i in range(4):
+        h = tf.tanh(tf.matmul(h, w), name=f"h{i}")
+    picked = tf.gather(h, [1, 0, 1], name="picked")
+    ys, grad_ys, kwargs = [h], None, {}
+    if case == "nested_list":
+        grad_ys = [[[1.0, -2.0, 3.0], [0.5, 0.25, -1.0]]]
+    elif case == "numpy_float32":
+        grad_ys = [np.full([2, 3], 0.5, np.float32)]
+    elif case == "indexed_slices":
+        grad_ys = [tf.IndexedSlices(tf.ones([1, 3]), tf.constant([1]), tf.constant([2, 3]))]
+    elif case == "none_entry":
+        ys, grad_ys = [h, picked], [None, np.ones([3, 3], np.float32)]
+    elif case == "unknown_shape":
+        grad_ys = [tf.compat.v1.placeholder_with_default(tf.ones([2, 3]), shape=None)]
+    elif case == "aggregation_tree":
+        ys, kwargs = [h, picked], {"aggregation_method": tf.AggregationMethod.EXPERIMENTAL_TREE}
+    elif case == "bytes_name":
+        kwargs = {"name": b"grads_bytes"}
+    elif case == "reused_scope_name":
+        kwargs = {"name": "outer/"}
+    got = mg.gradients(ys, [x, w], grad_ys=grad_ys, checkpoints="memory", **kwargs)
+    want = tf.gradients(ys, [x, w], grad_ys=grad_ys, **kwargs)
+    assert any("_memsave/recompute" in op.name for op in graph.get_operations())
+    assert_grads_close(*session.run([got, want]))
+
+
+def test_grad_ys_from_an_enclosing_function_are_captured():
+    @tf.function
+    def outer():
+        grad_y = tf.fill([2, 3], 0.5)
+
+        @tf.function
+        def inner():
+            x = tf.constant(np.arange(6, dtype=np.float32).reshape(2, 3) / 5)
+            h = x
+            for _ in range(4):
+                h = tf.tanh(1.5 * h)
+            return (mg.gradients(h, x, grad_ys=[grad_y], checkpoints="memory"),
+                    tf.gradients(h, x, grad_ys=[grad_y]))
+
+        return inner()
+
+    got, want = outer()
+    assert_grads_close(got, want)

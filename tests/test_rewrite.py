@@ -58,13 +58,16 @@ def test_copies_keep_devices_and_wait_for_their_gradient(graph):
               and op.name.startswith("gradients_memsave/recompute")  # not their gradients
               and "/boundary/" not in op.name]
     boundaries = [op for op in graph.get_operations() if "/boundary/" in op.name]
-    assert boundaries and all(op.type == "StopGradient" for op in boundaries)
+    # Identities, not StopGradient: a gradient of these gradients must reach the checkpoints
+    # (design note "boundaries").
+    assert boundaries and all(op.type == "Identity" for op in boundaries)
     originals = {op.name: op for op in before}
     for copy in copies:
         original_name = copy.name.split("/", 2)[-1]
         original = originals.get(original_name)
         if original is not None:
             assert copy.device == original.device
+            assert copy.colocation_groups() == original.colocation_groups()
     # Roots read only boundaries and outside tensors; they must wait for their gradient.
     roots = [op for op in copies if not any(t.op in copies for t in op.inputs)]
     assert roots and all(op.control_inputs for op in roots)

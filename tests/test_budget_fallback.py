@@ -1,0 +1,165 @@
+"""A budget below every plan's predicted peak under patch()/wrap_model (issue 14, item 7):
+fallback="warn" plans for the smallest predicted peak and says so once, with the numbers;
+fallback="error" and direct calls raise InfeasibleBudgetError."""
+
+import logging
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave_grads as mg
+from conftest import assert_grads_close
+from memsave_grads import api
+from memsave_grads import budgets
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    calls = []
+    real = api.gradients
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("checkpoints"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "gradients", recording)
+    yield calls
+    if mg.is_patched():
+        mg.unpatch()
+
+
+def _chain(layers=12):
+    x = tf.constant(np.random.RandomState(0).randn(16, 64).astype(np.float32), name="x")
+    w = tf.constant(np.random.RandomState(1).randn(64, 64).astype(np.float32) / 8, name="w")
+    h = x
+    for i in range(layers):
+        h = tf.tanh(tf.matmul(h, w), name=f"layer{i}")
+    return [x, w], tf.reduce_sum(h * h, name="loss")
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and r.getMessage().startswith("memsave_grads")]
+
+
+def _mib(nbytes):
+    return f"{nbytes / 2**20:.3g} MiB"
+
+
+@pytest.mark.parametrize("budget", ["budget:1%", "budget:1KiB"])
+def test_patched_infeasible_budget_plans_the_smallest_peak(graph, session, spy, caplog, budget):
+    xs, loss = _chain()
+    with pytest.raises(mg.InfeasibleBudgetError) as info:
+        mg.gradients(loss, xs, checkpoints=budget)  # a direct call still raises
+    error = info.value
+    assert 0 < error.budget_bytes < error.min_feasible_bytes < error.plain_peak_bytes
+    assert isinstance(error, ValueError)
+    spy.clear()
+    with caplog.at_level(logging.WARNING), mg.patch(budget):
+        got = tf.gradients(loss, xs)
+    want = tf.gradients(loss, xs)
+    # One failed try at the asked budget, one plan at the smallest peak.
+    assert spy[0] == budget and isinstance(spy[1], mg.Budget) and len(spy) == 2
+    assert spy[1].resolve_bytes(error.plain_peak_bytes) == error.min_feasible_bytes
+    assert any("_memsave/recompute" in op.name for op in graph.get_operations())
+    messages = _warnings(caplog)
+    assert len(messages) == 1, messages
+    expected_numbers = [
+        _mib(error.budget_bytes), f"{error.budget_bytes / error.plain_peak_bytes:.1%} of plain",
+        _mib(error.plain_peak_bytes), _mib(error.min_feasible_bytes),
+        f"{error.min_feasible_bytes / error.plain_peak_bytes:.1%} of plain",
+        "planned for that peak instead", "fallback='error'"]
+    for text in expected_numbers:
+        assert text in messages[0], (text, messages[0])
+    assert_grads_close(*session.run([got, want]))
+
+
+def test_patched_infeasible_budget_with_fallback_error_raises(graph, spy):
+    xs, loss = _chain()
+    with mg.patch("budget:1%", fallback="error"):
+        with pytest.raises(mg.InfeasibleBudgetError, match="below the smallest peak"):
+            tf.gradients(loss, xs)
+    assert spy == ["budget:1%"]
+
+
+def test_where_no_plan_beats_tf_gradients_it_falls_back(graph, session, caplog):
+    x = tf.constant(np.linspace(-2, 2, 16 * 64, dtype=np.float32).reshape(16, 64), name="x")
+    loss = tf.reduce_sum(tf.tanh(tf.tanh(x)))
+    with pytest.raises(mg.InfeasibleBudgetError) as info:
+        mg.gradients(loss, x, checkpoints=mg.Budget(fraction=0.1))
+    assert info.value.min_feasible_bytes >= info.value.plain_peak_bytes
+    before = len(graph.get_operations())
+    with caplog.at_level(logging.WARNING), mg.patch(mg.Budget(fraction=0.1)):
+        got = tf.gradients(loss, x)
+    assert not any("_memsave" in op.name for op in graph.get_operations()[before:])
+    messages = _warnings(caplog)
+    assert len(messages) == 1 and "no plan is predicted to peak below plain" in messages[0]
+    assert "100.0% of plain" in messages[0]
+    assert_grads_close(*session.run([got, tf.gradients(loss, x)]))
+
+
+def _infeasible(smallest_bytes, plain_bytes):
+    error = mg.InfeasibleBudgetError("below every plan")
+    error.min_feasible_bytes, error.budget_bytes = smallest_bytes, 1
+    error.plain_peak_bytes = plain_bytes
+    return error
+
+
+def test_smallest_peak_budget_resolves_to_the_smallest_peak_exactly():
+    rng = np.random.RandomState(0)
+    asked = mg.Budget(bytes=1, solver="dp")
+    for _ in range(2000):
+        plain = int(rng.randint(2, 2**40))
+        smallest = int(rng.randint(1, plain))
+        error = _infeasible(smallest, plain)
+        retry = budgets.smallest_peak_budget(error, asked)
+        assert retry.solver == "dp" and retry.bytes is None
+        assert retry.resolve_bytes(plain) == smallest, (smallest, plain)
+    assert budgets.smallest_peak_budget(_infeasible(10, 10), asked) is None
+    assert budgets.smallest_peak_budget(mg.InfeasibleBudgetError("no numbers"), asked) is None
+
+
+def test_infeasible_budget_error_states_the_plain_peak(graph):
+    xs, loss = _chain(layers=6)
+    with pytest.raises(mg.InfeasibleBudgetError) as info:
+        mg.gradients(loss, xs, checkpoints="budget:1%")
+    share = info.value.min_feasible_bytes / info.value.plain_peak_bytes
+    assert re.search(rf"{share:.1%} of plain tf.gradients'", str(info.value))
+
+
+def test_wrap_model_lstm_trains_under_an_infeasible_budget(caplog):
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(0)
+    inputs = np.random.RandomState(0).rand(8, 6, 4).astype(np.float32)
+    targets = np.random.RandomState(1).rand(8, 1).astype(np.float32)
+
+    def fitted(wrap):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6, 4)), keras.layers.LSTM(8),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        if wrap:
+            mg.wrap_model(model, checkpoints="budget:50%")
+        model.fit(inputs, targets, epochs=1, batch_size=8, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    with caplog.at_level(logging.WARNING):
+        got = fitted(wrap=True)
+    messages = _warnings(caplog)
+    assert len(messages) == 1 and "the budget of" in messages[0], messages
+    keras.backend.clear_session(free_memory=False)
+    assert_grads_close(got, fitted(wrap=False))
+
+
+def test_infeasible_budget_keeps_its_type_through_autograph():
+    @tf.function
+    def step(x):
+        h = x
+        for _ in range(8):
+            h = tf.tanh(1.1 * h)
+        return mg.gradients(tf.reduce_sum(h), x, checkpoints="budget:1%")
+
+    with pytest.raises(mg.InfeasibleBudgetError, match="below the smallest peak"):
+        step(tf.ones([4, 4]))

@@ -1,0 +1,197 @@
+"""Inputs tf.gradients accepts are accepted, with its values: tensors captured from enclosing
+graphs (design note "captured xs"), TF1 reference variables, ``xs=[]``, tf.function calls in the
+forward pass (plain and ``jit_compile``), and ``colocate_gradients_with_ops``."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave_grads as mg
+from memsave_grads import _stitch
+from conftest import assert_grads_close
+
+STRATEGIES = ["memory", "speed"]
+
+
+@pytest.fixture
+def rewrites(monkeypatch):
+    """Counts rewrites that copied at least one op (so a test cannot pass by falling back)."""
+    calls = []
+    original = _stitch._rewrite.copy_ops
+
+    def spy(ops, *args, **kwargs):
+        copies = original(ops, *args, **kwargs)
+        calls.append(len(copies))
+        return copies
+
+    monkeypatch.setattr(_stitch._rewrite, "copy_ops", spy)
+    return calls
+
+
+def _residual(h, w, depth=6):
+    for _ in range(depth):
+        h = tf.tanh(tf.matmul(h, w)) + h
+    return tf.reduce_sum(h ** 2)
+
+
+def _run_pair(session, expected, actual):
+    session.run(tf.compat.v1.global_variables_initializer())
+    return session.run([list(expected), list(actual)])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_outer_tensors_and_variables_captured_by_nested_functions(strategy, graph, session,
+                                                                  rewrites):
+    x = tf.constant(np.linspace(-1, 1, 8).reshape(2, 4), name="x")
+    w = tf.constant(np.eye(4) * 0.5 + 0.1, name="w")
+    v = tf.compat.v1.Variable(np.eye(4) * 0.3, use_resource=True, name="v")
+
+    @tf.function
+    def outer():
+        @tf.function
+        def inner():
+            loss = _residual(x, w) + _residual(x, v)
+            return (tf.gradients(loss, [x, w, v]),
+                    mg.gradients(loss, [x, w, v], checkpoints=strategy))
+        return inner()
+
+    expected, actual = _run_pair(session, *outer())
+    assert_grads_close(actual, expected, rtol=1e-10)
+    assert rewrites and max(rewrites) > 0
+
+
+def test_eager_tensor_and_variable_captured_by_a_function(rewrites):
+    x = tf.constant(np.linspace(-1, 1, 8).reshape(2, 4))
+    v = tf.Variable(np.eye(4) * 0.3)
+    unused = tf.constant(1.0, tf.float64)
+
+    @tf.function
+    def step():
+        loss = _residual(x, v)
+        return (tf.gradients(loss, [x, v, unused]),
+                mg.gradients(loss, [x, v, unused], checkpoints="memory"),
+                mg.gradients(loss, [x, v, unused], checkpoints="memory",
+                             unconnected_gradients="zero"))
+
+    expected, actual, zeros = step()
+    assert expected[2] is None and actual[2] is None
+    assert_grads_close(actual[:2], expected[:2], rtol=1e-10)
+    assert_grads_close(zeros, list(expected[:2]) + [np.float64(0.0)], rtol=1e-10)
+    assert rewrites
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_dependence_through_a_captured_intermediate(strategy, graph, session, rewrites):
+    """ys read a captured tensor that itself depends on x and w outside the function: the
+    gradient crosses the function boundary, as tf.gradients' walk does."""
+    x = tf.constant(np.linspace(-1, 1, 8).reshape(2, 4))
+    w = tf.constant(np.eye(4) * 0.5 + 0.1)
+    h0 = tf.matmul(tf.sin(x), w)
+
+    @tf.function
+    def step():
+        loss = _residual(h0, w)
+        return tf.gradients(loss, [x, w, h0]), mg.gradients(loss, [x, w, h0],
+                                                            checkpoints=strategy)
+
+    expected, actual = _run_pair(session, *step())
+    assert_grads_close(actual, expected, rtol=1e-10)
+    assert rewrites
+
+
+def test_hessians_with_xs_outside_the_while_body(graph, session):
+    """tf.hessians differentiates inside a while_v2 body w.r.t. a tensor outside it."""
+    w = tf.constant(np.eye(3) * 0.5 + 0.1)
+    loss = _residual(tf.constant(np.ones((2, 3)) * 0.3), w, depth=4)
+    expected = tf.hessians(loss, w)
+    with mg.patch("memory"):
+        actual = tf.hessians(loss, w)
+    assert_grads_close(*session.run([actual, expected]), rtol=1e-10)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_reference_variables(strategy, graph, session, rewrites):
+    """TF1 reference variables (the default under disable_v2_behavior): gradients and a v1
+    optimizer's training steps through patch() equal tf.gradients'."""
+    x = tf.constant(np.linspace(-1, 1, 8).reshape(2, 4).astype(np.float32))
+    w = tf.compat.v1.Variable(np.eye(4, dtype=np.float32) * 0.5, use_resource=False)
+    loss = _residual(x, w)
+    expected = tf.gradients(loss, [w, x])
+    actual = mg.gradients(loss, [w, x], checkpoints=strategy)
+    assert rewrites
+    session.run(tf.compat.v1.global_variables_initializer())
+    assert_grads_close(*session.run([actual, expected]))
+
+    with mg.patch(strategy, fallback="error"):
+        train = tf.compat.v1.train.GradientDescentOptimizer(0.05).minimize(loss)
+    reference = tf.compat.v1.train.GradientDescentOptimizer(0.05).minimize(loss)
+    session.run(tf.compat.v1.global_variables_initializer())
+    start = session.run(w)
+    losses = [session.run([loss, train])[0] for _ in range(3)]
+    session.run(w.assign(start))
+    reference_losses = [session.run([loss, reference])[0] for _ in range(3)]
+    np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+
+
+def test_empty_xs(graph):
+    loss = _residual(tf.constant(np.ones((2, 4))), tf.constant(np.eye(4)))
+    assert tf.gradients(loss, []) == []
+    before = len(graph.get_operations())
+    assert mg.gradients(loss, [], checkpoints="memory") == []
+    with mg.patch("memory"):
+        assert tf.gradients(loss, []) == []
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["plain", "jit_compile"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_function_calls_in_the_forward_pass(strategy, jit_compile, graph, session, rewrites):
+    """Keras runs grouped convolutions through an inner tf.function(jit_compile=True); its call
+    op carries an XLA context, which is not TF1 control flow, and its gradient function lives
+    on the op, so the copy must carry it too."""
+    @tf.function(jit_compile=jit_compile)
+    def block(h, w):
+        return tf.tanh(tf.matmul(h, w))
+
+    x = tf.constant(np.linspace(-1, 1, 16).reshape(4, 4).astype(np.float32))
+    ws = [tf.constant(np.eye(4, dtype=np.float32) * 0.4 + 0.05 * i) for i in range(6)]
+    h = x
+    for w in ws:
+        h = tf.sin(block(h, w)) + h
+    loss = tf.reduce_sum(h ** 2)
+    expected = tf.gradients(loss, ws + [x])
+    actual = mg.gradients(loss, ws + [x], checkpoints=strategy)
+    assert rewrites and max(rewrites) > 0
+    assert_grads_close(*session.run([actual, expected]))
+
+
+def test_speed_keeps_calls_of_functions_that_run_a_matmul(graph):
+    @tf.function
+    def block(h, w):
+        return tf.tanh(tf.matmul(h, w))
+
+    x = tf.ones([2, 4])
+    w = tf.eye(4)
+    out = block(tf.sin(x), w)
+    loss = tf.reduce_sum(tf.sin(block(tf.sin(out), w)))
+    plan = mg.explain(loss, [x], checkpoints="speed")
+    assert out.op.name in str(plan)
+
+
+@pytest.mark.parametrize("strategy", ["memory", "speed", ["*"]], ids=["memory", "speed", "all"])
+def test_colocated_gradients_follow_the_forward_ops(strategy, graph):
+    """With colocate_gradients_with_ops=True every op the call creates is colocated with an op
+    of the forward graph, never with a recompute copy or one of our sums; a summed gradient
+    follows tf.gradients' rule (with its first summand, per device)."""
+    x = tf.compat.v1.placeholder(tf.float32, [2, 4])
+    w = tf.compat.v1.Variable(np.eye(4, dtype=np.float32), use_resource=True)
+    loss = _residual(x, w)
+    forward = {f"loc:@{op.name}".encode() for op in graph.get_operations()}
+    before = set(graph.get_operations())
+    grads = mg.gradients(loss, [x, w], checkpoints=strategy, colocate_gradients_with_ops=True)
+    created = [op for op in graph.get_operations() if op not in before]
+    assert any("recompute" in op.name for op in created)
+    stray = [(op.name, op.colocation_groups()) for op in created
+             if not set(op.colocation_groups()) <= forward]
+    assert not stray
+    for g in grads:
+        assert set(g.op.colocation_groups()) <= forward

@@ -1,0 +1,134 @@
+"""TensorFlow-semantics parity (issue 14): a patched ``tf.gradients`` behaves as TensorFlow's.
+
+Every scenario of ``tf_semantics_cases.py`` (one per behaviour TensorFlow's own gradient tests
+check) runs under ``memsave_grads.patch(checkpoints=...)`` with ``"memory"``, ``"speed"`` and
+the every-op pattern ``["*"]``, in TF2 (``tf.Graph`` + Session, and ``tf.function``), v1
+(``disable_v2_behavior``) and, for the scenarios with control flow, v1 with control flow v2,
+and is compared with unpatched ``tf.gradients``. The modes change global TensorFlow state, so each runs in its own process;
+one test per (scenario, mode, container, strategy) reads its result, and the counts (rewrote,
+fell back, failed) are printed at the end of the module and written to ``summary.txt`` in the
+module's temporary folder. ``python tests/tf_semantics_cases.py`` prints the same table.
+"""
+
+import pytest
+import tensorflow as tf
+
+import tf_semantics_cases as cases
+
+#: Wall-clock limit for the three mode processes together (they run concurrently).
+MODES_TIMEOUT_S = 600
+
+RUN_IDS = cases.planned_runs()
+
+
+def _mode_of(run: str) -> str:
+    return run.split("-")[1]
+
+
+class _Results:
+    """Records by run id and each mode process's (exit code, output tail); a short repr keeps
+    failure reports readable."""
+
+    def __init__(self, records: dict, status: dict):
+        self.records = records
+        self.status = status
+
+    def __repr__(self):
+        return f"<{len(self.records)} parity records>"
+
+
+def _selection(session) -> tuple[list | None, tuple]:
+    """(scenarios, modes) the selected tests need: all of them unless ``-k`` picked some runs
+    (each mode process costs seconds of TensorFlow start-up alone)."""
+    runs = {item.callspec.params["run"] for item in session.items
+            if item.module.__name__ == __name__ and hasattr(item, "callspec")
+            and "run" in item.callspec.params}
+    whole = any(item.name == "test_every_mode_and_strategy_really_rewrites"
+                for item in session.items if item.module.__name__ == __name__)
+    if whole or not runs:
+        return None, cases.MODES
+    return (sorted({run.split("-")[0] for run in runs}),
+            tuple(mode for mode in cases.MODES if any(_mode_of(r) == mode for r in runs)))
+
+
+@pytest.fixture(scope="module")
+def semantics_results(tmp_path_factory, request):
+    out_dir = tmp_path_factory.mktemp("tf_semantics")
+    only, modes = _selection(request.session)
+    records, status = cases.collect(str(out_dir), cases.launch_modes(str(out_dir), only, modes),
+                                    MODES_TIMEOUT_S)
+    summary = cases.summary_table(records)
+    (out_dir / "summary.txt").write_text(summary + "\n\n" + cases.failures_text(records) + "\n")
+    yield _Results(records, status)
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # the counts are the suite's report
+            reporter.write_sep("-", f"tf.gradients semantics parity (details: {out_dir})")
+            reporter.write_line(summary)
+
+
+@pytest.mark.parametrize("run", RUN_IDS)
+def test_matches_tf_gradients(semantics_results, run):
+    record = semantics_results.records.get(run)
+    if record is None:
+        code, output = semantics_results.status[_mode_of(run)]
+        pytest.fail(f"{run}: no result; the {_mode_of(run)} process ended with {code}:\n"
+                    f"{output[-2000:]}")
+    scenario = cases.SCENARIOS[record["scenario"]]
+    assert not record["problems"], (
+        f"{run} ({scenario.mirrors}), routing {record['routing']}:\n  "
+        + "\n  ".join(record["problems"]))
+
+
+def test_every_mode_and_strategy_really_rewrites(semantics_results):
+    """The suite is only evidence if the patched calls rewrote graphs: in every (mode,
+    container, strategy) most runs copied forward ops for recomputation."""
+    groups = {}
+    for r in semantics_results.records.values():
+        groups.setdefault((r["mode"], r["container"], r["strategy"]), []).append(r)
+    expected = {(mode, container, strategy) for s in cases.SCENARIOS.values()
+                for mode, container in s.runs() for strategy in cases.STRATEGIES}
+    assert set(groups) == expected
+    for key, group in groups.items():
+        recomputed = sum(r["recompute_ops"] > 0 for r in group)
+        assert recomputed >= len(group) // 2, (key, recomputed, len(group))
+
+
+# --- the harness itself: a difference must be reported (fast, in this process) -----------
+
+
+def _outcome(grads, events=None):
+    return cases.Outcome(grads=grads, events=events or [{"outcome": "rewrote"}])
+
+
+def test_harness_reports_each_kind_of_difference():
+    sc = cases.Scenario("probe", lambda env: None, "harness self-test")
+    with tf.Graph().as_default():
+        x = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+        table = tf.constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+        y = tf.reduce_sum(tf.gather(table, [0, 2]) * x)
+        reference = _outcome(tf.gradients(y, [x, table]))
+        dense = _outcome([reference.grads[0], tf.convert_to_tensor(reference.grads[1])])
+        missing = _outcome([None, reference.grads[1]])
+        fell_back = _outcome(reference.grads, [{"outcome": "fell_back",
+                                                "error": "NoCheckpointsFoundError"}])
+        ref_values = [[[1.0, 0.0], [0.0, 2.0]], None]
+        ok = cases.compare(sc, "tf2", reference, reference, ref_values, ref_values, None, None)
+        wrong_values = [[[1.0, 0.0], [0.0, 2.5]], None]
+        assert ok == []
+        assert "values differ" in cases.compare(sc, "tf2", reference, reference, ref_values,
+                                                 wrong_values, None, None)[0]
+        assert "IndexedSlices" in cases.compare(sc, "tf2", reference, dense, ref_values,
+                                                 ref_values, None, None)[0]
+        assert "None" in cases.compare(sc, "tf2", reference, missing, ref_values, ref_values,
+                                        None, None)[0]
+        assert "fell back" in cases.compare(sc, "tf2", reference, fell_back, ref_values,
+                                             ref_values, None, None)[0]
+        v1_cf = cases.Scenario("probe", lambda env: None, "self-test", control_flow=True)
+        tf1_fallback = _outcome(reference.grads, [{"outcome": "fell_back",
+                                                   "error": "UnsupportedGraphError"}])
+        assert cases.compare(v1_cf, "v1", reference, tf1_fallback, ref_values, ref_values,
+                              None, None) == []
+        assert cases.compare(v1_cf, "v1_cfv2", reference, tf1_fallback, ref_values,
+                              ref_values, None, None) != []
