@@ -39,7 +39,7 @@ def _wide(branches=12):
     outputs = [tf.tanh(tf.matmul(x, w), name=f"branch{i}") for i, w in enumerate(weights)]
     for t in outputs:
         tf.compat.v1.add_to_collection(_select.COLLECTION_NAME, t)
-    return x, tf.add_n([tf.reduce_sum(t * t) for t in outputs]), weights
+    return _feed(x), tf.add_n([tf.reduce_sum(t * t) for t in outputs]), weights
 
 
 def _bias_chain(depth=8):
@@ -51,7 +51,22 @@ def _bias_chain(depth=8):
     for i, w in enumerate(weights):
         h = tf.tanh(tf.nn.bias_add(tf.matmul(h, w, name=f"matmul{i}"), tf.ones([COLS])))
         tf.compat.v1.add_to_collection(_select.COLLECTION_NAME, h)
-    return x, tf.reduce_sum(h * h), weights
+    return _feed(x), tf.reduce_sum(h * h), weights
+
+
+def _conv_chain(depth=24, batch=4):
+    """3x3 convolutions of 64 channels on 32x32 images: 1 MiB activations, and 29 MiB of
+    scratch at every layer's backward step. A sqrt(N) plan is predicted to save 15 MiB with the
+    scratch counted once, none where the allocator holds it twice over; measured with the rule
+    off, in a process of its own: 64 MiB against tf.gradients' 66."""
+    images = tf.Variable(tf.random.stateless_normal([batch, 32, 32, 64], seed=[0, 1]))
+    kernels = [tf.Variable(tf.random.stateless_normal([3, 3, 64, 64], seed=[i, 2]) * 0.05,
+                           name=f"kernel{i}") for i in range(depth)]
+    h = images
+    for kernel in kernels:
+        h = tf.nn.relu(tf.nn.conv2d(h, kernel, 1, "SAME"))
+        tf.compat.v1.add_to_collection(_select.COLLECTION_NAME, h)
+    return None, tf.reduce_sum(h * h), kernels
 
 
 def _deep_chain(depth=64):
@@ -60,7 +75,11 @@ def _deep_chain(depth=64):
     h = x
     for _ in range(depth):
         h = tf.tanh(h)
-    return x, tf.reduce_sum(h * h), [x]
+    return _feed(x), tf.reduce_sum(h * h), [x]
+
+
+def _feed(x):
+    return {x: np.random.RandomState(0).rand(ROWS, COLS).astype(np.float32)}
 
 
 class _Spy:
@@ -95,21 +114,17 @@ def _median_peaks_mib(graph, grad_lists, feed=None):
     with tf.compat.v1.Session(graph=graph, config=config) as session:
         session.run(init)
         for step in steps:
-            session.run(step, feed)
+            # The allocator's free chunks depend on what ran before: the same step peaked 14
+            # MiB higher right after another step than after itself. A few runs of the step
+            # itself first settle them.
+            for _ in range(3):
+                session.run(step, feed)
             runs = sorted(memory.peak_bytes_of(lambda: session.run(step, feed))[0] / MIB
                           for _ in range(3))
             peaks.append(runs[1])
-        values = None
-        if feed is not None:
-            values = session.run([[g for g in grads if g is not None] for grads in grad_lists],
-                                 feed)
+        values = session.run([[g for g in grads if g is not None] for grads in grad_lists],
+                             feed)
     return peaks, values
-
-
-def _peaks_and_values(graph, x, ours, theirs):
-    """Measured peaks of both gradient lists, and both lists' values from one run."""
-    feed = {x: np.random.RandomState(0).rand(ROWS, COLS).astype(np.float32)}
-    return _median_peaks_mib(graph, [ours, theirs], feed)
 
 
 def _has_copies(graph) -> bool:
@@ -123,16 +138,35 @@ def _has_copies(graph) -> bool:
 def test_no_strategy_raises_the_peak_where_nothing_helps(builder, strategy, monkeypatch):
     graph = tf.Graph()
     with graph.as_default():
-        x, loss, weights = builder()
+        feed, loss, weights = builder()
         theirs = _tf_graph.ORIGINAL_GRADIENTS(loss, weights)
         spy = _Spy(monkeypatch)
         ours = mg.gradients(loss, weights, checkpoints=strategy)
     assert spy.called_with(loss, weights), spy.calls
     assert not _has_copies(graph)
-    (ours_mib, theirs_mib), (got, want) = _peaks_and_values(graph, x, ours, theirs)
+    (ours_mib, theirs_mib), (got, want) = _median_peaks_mib(graph, [ours, theirs], feed)
     assert_grads_close(got, want)
     assert ours_mib <= theirs_mib + HEADROOM_MIB, \
         f"{strategy}: {ours_mib:.1f} MiB, tf.gradients {theirs_mib:.1f} MiB"
+
+
+@pytest.mark.parametrize("strategy", ["memory", "speed", "budget:60%"])
+def test_where_scratch_dominates_the_schedule_is_plain(strategy, monkeypatch):
+    """No peaks compared: where tens of MiB of scratch dominate, the allocator's history moves
+    a peak by more than a plan saves (the same tf.gradients step measured 53 to 73 MiB in one
+    process, after different steps), so the schedule itself is checked: it is tf.gradients'."""
+    graph = tf.Graph()
+    with graph.as_default():
+        feed, loss, kernels = _conv_chain()
+        theirs = _tf_graph.ORIGINAL_GRADIENTS(loss, kernels)
+        spy = _Spy(monkeypatch)
+        ours = mg.gradients(loss, kernels, checkpoints=strategy)
+        init = tf.compat.v1.global_variables_initializer()
+    assert spy.called_with(loss, kernels) and not _has_copies(graph)
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(init)
+        got, want = session.run([ours, theirs], feed)
+    assert_grads_close(got, want)
 
 
 def test_the_decision_is_logged_and_explained(caplog):
@@ -167,14 +201,14 @@ def test_a_strategy_that_keeps_only_what_is_kept_anyway_is_plain():
 def test_where_the_plan_helps_the_rewrite_still_happens(monkeypatch):
     graph = tf.Graph()
     with graph.as_default():
-        x, loss, xs = _deep_chain()
+        feed, loss, xs = _deep_chain()
         theirs = _tf_graph.ORIGINAL_GRADIENTS(loss, xs)
         report = mg.explain(loss, xs, checkpoints="memory")
         spy = _Spy(monkeypatch)
         ours = mg.gradients(loss, xs, checkpoints="memory")
     assert report.rewrite and "schedule: this plan" in str(report)
     assert _has_copies(graph) and spy.calls and not spy.called_with(loss, xs)
-    (ours_mib, theirs_mib), (got, want) = _peaks_and_values(graph, x, ours, theirs)
+    (ours_mib, theirs_mib), (got, want) = _median_peaks_mib(graph, [ours, theirs], feed)
     assert_grads_close(got, want)
     assert theirs_mib >= 60 and ours_mib <= theirs_mib / 2, (ours_mib, theirs_mib)
 
@@ -256,8 +290,9 @@ def test_conv_filter_gradient_scratch_does_not_grow_with_the_batch():
             session.run(init)
             session.run(step)
             measured, _ = memory.peak_bytes_of(lambda: session.run(step))
-        assert without < MIB <= request <= predicted <= measured <= 2 * request + MIB, \
-            (batch, without / MIB, predicted / MIB, measured / MIB)
+        assert without < MIB and request <= measured <= 2 * request + MIB, \
+            (batch, without / MIB, measured / MIB)
+        assert request <= predicted <= measured + MIB, (batch, predicted / MIB, measured / MIB)
 
 
 @pytest.mark.slow
@@ -296,3 +331,14 @@ def test_a_larger_batch_is_still_recomputed():
     assert report.rewrite and _has_copies(graph), str(report)
     (theirs_mib, ours_mib), _ = _median_peaks_mib(graph, [theirs, ours])
     assert ours_mib <= 0.7 * theirs_mib, (ours_mib, theirs_mib)
+
+
+def test_scratch_the_allocator_may_hold_twice_is_counted():
+    graph = tf.Graph()
+    with graph.as_default():
+        _, loss, kernels = _conv_chain()
+        report = mg.explain(loss, kernels, checkpoints="memory")
+    # The filter gradient im2cols 12 images (27 MiB), the input gradient one (2.25 MiB).
+    assert report.scratch_bytes == (12 + 1) * 32 * 32 * 576 * 4
+    assert report.decided_plan_peak_bytes <= 0.9 * report.decided_plain_peak_bytes
+    assert not report.rewrite and "held twice over" in report.schedule_reason
