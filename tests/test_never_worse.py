@@ -295,13 +295,25 @@ def test_conv_filter_gradient_scratch_does_not_grow_with_the_batch():
         assert request <= predicted <= measured + MIB, (batch, predicted / MIB, measured / MIB)
 
 
+def test_scratch_the_allocator_may_hold_twice_is_counted():
+    graph = tf.Graph()
+    with graph.as_default():
+        _, loss, kernels = _conv_chain()
+        report = mg.explain(loss, kernels, checkpoints="memory")
+    # The filter gradient im2cols 12 images (27 MiB), the input gradient one (2.25 MiB).
+    assert report.scratch_bytes == (12 + 1) * 32 * 32 * 576 * 4
+    assert report.decided_plan_peak_bytes <= 0.9 * report.decided_plain_peak_bytes
+    assert not report.rewrite and "held twice over" in report.schedule_reason
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("application", ["ResNet50", "InceptionV3", "InceptionResNetV2"])
-def test_small_batch_keras_applications_are_never_worse(application):
+def test_small_batch_keras_applications_are_never_worse(application, monkeypatch):
     """Batch 1, 96x96: the convolution filter gradients' scratch (up to 29 MiB) dwarfs the
-    activations, so no plan is predicted to save enough. Measured on main before the rule
-    (one SGD step, 2 inter-op threads): "speed" 1.07x/1.11x/1.47x tf.gradients' peak,
-    "memory" 1.04x on InceptionResNetV2."""
+    activations, so no plan is predicted to save enough. Reported on main before the rule (one
+    SGD step, 2 inter-op threads): "speed" 1.07x/1.11x/1.47x tf.gradients' peak, "memory" 1.04x
+    on InceptionResNetV2; measured here on one inter-op thread, gradients reduced: "speed"
+    0.97x/1.01x/1.02x, "memory" 0.95x/1.03x/1.02x, all within the allocator's slack."""
     from memsave_grads import _bench_keras
 
     graph = tf.Graph()
@@ -309,13 +321,16 @@ def test_small_batch_keras_applications_are_never_worse(application):
         loss, weights = _bench_keras._application(  # pylint: disable=protected-access
             application, application, batch=1, image=96).build()
         theirs = _tf_graph.ORIGINAL_GRADIENTS(loss, weights)
-        ours = {s: mg.gradients(loss, weights, checkpoints=s) for s in ("speed", "memory")}
-        reports = {s: mg.explain(loss, weights, checkpoints=s) for s in ours}
+        reports = {s: mg.explain(loss, weights, checkpoints=s) for s in ("speed", "memory")}
+        spy = _Spy(monkeypatch)
+        ours = {s: mg.gradients(loss, weights, checkpoints=s) for s in reports}
+    assert not _has_copies(graph) and spy.called_with(loss, weights)
     peaks, _ = _median_peaks_mib(graph, [theirs, *ours.values()])
     plain_mib = peaks[0]
     for (strategy, report), peak_mib in zip(reports.items(), peaks[1:]):
-        assert report.scratch_bytes > 16 * MIB, report
-        assert peak_mib <= plain_mib + HEADROOM_MIB, (strategy, peak_mib, plain_mib, str(report))
+        assert report.scratch_bytes > 16 * MIB and not report.rewrite, str(report)
+        # The same schedule; the allocator's history alone moves such peaks by a few MiB.
+        assert peak_mib <= 1.1 * plain_mib, (strategy, peak_mib, plain_mib)
 
 
 @pytest.mark.slow
@@ -331,14 +346,3 @@ def test_a_larger_batch_is_still_recomputed():
     assert report.rewrite and _has_copies(graph), str(report)
     (theirs_mib, ours_mib), _ = _median_peaks_mib(graph, [theirs, ours])
     assert ours_mib <= 0.7 * theirs_mib, (ours_mib, theirs_mib)
-
-
-def test_scratch_the_allocator_may_hold_twice_is_counted():
-    graph = tf.Graph()
-    with graph.as_default():
-        _, loss, kernels = _conv_chain()
-        report = mg.explain(loss, kernels, checkpoints="memory")
-    # The filter gradient im2cols 12 images (27 MiB), the input gradient one (2.25 MiB).
-    assert report.scratch_bytes == (12 + 1) * 32 * 32 * 576 * 4
-    assert report.decided_plan_peak_bytes <= 0.9 * report.decided_plain_peak_bytes
-    assert not report.rewrite and "held twice over" in report.schedule_reason
