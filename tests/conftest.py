@@ -41,6 +41,25 @@ def _rewrite_even_where_plain_would_do(request, monkeypatch):
 
 
 @pytest.fixture
+def spy(monkeypatch):
+    """The ``checkpoints`` of every ``memsave_grads.gradients`` call (a patched tf.gradients
+    included); unpatches at the end if a test left the patch on."""
+    import memsave_grads as mg  # pylint: disable=import-outside-toplevel
+    from memsave_grads import api  # pylint: disable=import-outside-toplevel
+    calls = []
+    real = api.gradients
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("checkpoints"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "gradients", recording)
+    yield calls
+    if mg.is_patched():
+        mg.unpatch()
+
+
+@pytest.fixture
 def graph():
     g = tf.Graph()
     with g.as_default():

@@ -15,21 +15,6 @@ from memsave_grads import api
 from memsave_grads import budgets
 
 
-@pytest.fixture
-def spy(monkeypatch):
-    calls = []
-    real = api.gradients
-
-    def recording(*args, **kwargs):
-        calls.append(kwargs.get("checkpoints"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(api, "gradients", recording)
-    yield calls
-    if mg.is_patched():
-        mg.unpatch()
-
-
 def _chain(layers=12):
     x = tf.constant(np.random.RandomState(0).randn(16, 64).astype(np.float32), name="x")
     w = tf.constant(np.random.RandomState(1).randn(64, 64).astype(np.float32) / 8, name="w")

@@ -12,21 +12,6 @@ import memsave_grads as mg
 from memsave_grads import api
 
 
-@pytest.fixture
-def spy(monkeypatch):
-    calls = []
-    real = api.gradients
-
-    def recording(*args, **kwargs):
-        calls.append(kwargs.get("checkpoints"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(api, "gradients", recording)
-    yield calls
-    if mg.is_patched():
-        mg.unpatch()
-
-
 def _deep_loss():
     x = tf.constant(np.random.RandomState(0).randn(4, 8).astype(np.float32))
     w = tf.Variable(np.random.RandomState(1).randn(8, 8).astype(np.float32) / 3)
