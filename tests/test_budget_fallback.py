@@ -11,7 +11,6 @@ import tensorflow as tf
 
 import memsave_grads as mg
 from conftest import assert_grads_close
-from memsave_grads import api
 from memsave_grads import budgets
 
 
