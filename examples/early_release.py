@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import memsave_grads as mg  # noqa: E402
-from memsave_grads import memory  # noqa: E402
+from memsave_grads import measure  # noqa: E402
 from memsave_grads.optimize import minimize  # noqa: E402
 
 V1_OPTIMIZERS = {
@@ -58,8 +58,8 @@ def _forward(x, ws):
 
 def _measure(step, runs):
     step()  # the first step also copies each weight off its initializer's constant
-    peaks = [memory.peak_bytes_of(step)[0] / memory.MIB for _ in range(runs)]
-    return min(peaks), max(peaks), memory.median_seconds(step, repeats=runs) * 1e3
+    peaks = [measure.peak_bytes_of(step)[0] / measure.MIB for _ in range(runs)]
+    return min(peaks), max(peaks), measure.median_seconds(step, repeats=runs) * 1e3
 
 
 def v1_rows(args):
@@ -115,7 +115,7 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    grad_mib = args.width * args.width * 4 / memory.MIB
+    grad_mib = args.width * args.width * 4 / measure.MIB
     print(f"{args.depth} layers {args.width}x{args.width} (one weight gradient = "
           f"{grad_mib:.0f} MiB), batch {args.batch}, TensorFlow {tf.__version__}\n")
     print("| mode | optimizer | step | peak MiB (min-max) | x gradient | median step ms |")

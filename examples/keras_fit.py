@@ -22,7 +22,7 @@ import argparse  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from memsave_grads import memory  # noqa: E402
+from memsave_grads import measure  # noqa: E402
 from memsave_grads.keras import wrap_model  # noqa: E402
 
 
@@ -96,10 +96,10 @@ def main():
     for name, wrapped in (("model.fit", False), ("wrap_model + fit", True)):
         step = build(wrapped).train_on_batch
         step(batch_x, batch_y)  # trace; the first run allocates kernels' scratch
-        peak, _ = memory.peak_bytes_of(lambda: step(batch_x, batch_y))
-        seconds = memory.median_seconds(lambda: step(batch_x, batch_y),
+        peak, _ = measure.peak_bytes_of(lambda: step(batch_x, batch_y))
+        seconds = measure.median_seconds(lambda: step(batch_x, batch_y),
                                         repeats=5, warmup=1)
-        results[name] = (peak / memory.MIB, seconds)
+        results[name] = (peak / measure.MIB, seconds)
     print("\none train_on_batch step (CPU BFC allocator peak above what was in use before):")
     print(f"{'':18}{'peak MiB':>10}  {'median ms':>10}")
     for name, (peak_mib, seconds) in results.items():

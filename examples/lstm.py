@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import memsave_grads  # noqa: E402
-from memsave_grads import memory  # noqa: E402
+from memsave_grads import measure  # noqa: E402
 
 
 def make_train_step(steps, batch, features, units, use_recompute, learning_rate=0.01):
@@ -72,8 +72,8 @@ def main():
         train_step = make_train_step(args.steps, args.batch, args.features, args.units,
                                      use_recompute)
         train_step()  # trace and warm up
-        peak_bytes, loss = memory.peak_bytes_of(train_step)
-        seconds = memory.median_seconds(train_step, repeats=args.repeats, warmup=0)
+        peak_bytes, loss = measure.peak_bytes_of(train_step)
+        seconds = measure.median_seconds(train_step, repeats=args.repeats, warmup=0)
         rows.append(("recompute(cell)" if use_recompute else "plain cell", peak_bytes, seconds,
                      float(loss)))
 
@@ -82,7 +82,7 @@ def main():
           f"{args.units} units, GradientTape in tf.function, CPU")
     print(f"{'method':<18}{'peak MiB':>10}{'vs plain':>10}{'step s':>9}{'time ratio':>12}")
     for name, peak_bytes, seconds, _ in rows:
-        print(f"{name:<18}{peak_bytes / memory.MIB:>10.1f}{base_peak / peak_bytes:>9.2f}x"
+        print(f"{name:<18}{peak_bytes / measure.MIB:>10.1f}{base_peak / peak_bytes:>9.2f}x"
               f"{seconds:>9.3f}{seconds / base_seconds:>11.2f}x")
 
 

@@ -1,50 +1,76 @@
 """memsave_grads: a drop-in ``tf.gradients`` that recomputes activations to save memory.
 
-Importing this package changes nothing in TensorFlow; call :func:`patch` to route
+Importing this package changes nothing in TensorFlow, and imports nothing of it either: each
+public name is loaded from its module on first use (PEP 562), so ``import memsave_grads`` and
+the TensorFlow-free core (``memsave_grads.core``) stay fast. Call :func:`patch` to route
 ``tf.gradients`` (and what uses it) through :func:`gradients`.
 """
 
-from memsave_grads.api import gradients
-from memsave_grads.api import gradients_collection
-from memsave_grads.api import gradients_memory
-from memsave_grads.api import gradients_speed
-from memsave_grads.budgets import Budget
-from memsave_grads.memory import profile_op_seconds
-from memsave_grads.optimize import minimize
-from memsave_grads._explain import PlanReport
-from memsave_grads._explain import explain
-from memsave_grads.errors import CheckpointNotOnPathError
-from memsave_grads.errors import EagerExecutionError
-from memsave_grads.errors import FinalizedGraphError
-from memsave_grads.errors import InfeasibleBudgetError
-from memsave_grads.errors import InvalidArgumentError
-from memsave_grads.errors import InvalidTypeError
-from memsave_grads.errors import MemsaveGradsError
-from memsave_grads.errors import MissingDependencyError
-from memsave_grads.errors import NoCheckpointsFoundError
-from memsave_grads.errors import NotDifferentiableError
-from memsave_grads.errors import PatchStateError
-from memsave_grads.errors import SparseGradientError
-from memsave_grads.errors import UnknownStrategyError
-from memsave_grads.errors import UnsupportedGraphError
-from memsave_grads.patch import is_patched
-from memsave_grads.patch import original_gradients
-from memsave_grads.patch import patch
-from memsave_grads.keras import is_wrapped
-from memsave_grads.keras import unwrap_model
-from memsave_grads.keras import wrap_model
-from memsave_grads.patch import unpatch
-from memsave_grads.recompute import recompute
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "gradients", "gradients_speed", "gradients_memory", "gradients_collection",
-    "explain", "PlanReport", "Budget", "profile_op_seconds", "recompute",
-    "minimize", "wrap_model", "unwrap_model", "is_wrapped",
-    "patch", "unpatch", "is_patched", "original_gradients",
-    "MemsaveGradsError", "InvalidArgumentError", "InvalidTypeError", "UnknownStrategyError",
-    "CheckpointNotOnPathError", "NoCheckpointsFoundError", "UnsupportedGraphError",
-    "SparseGradientError", "EagerExecutionError", "PatchStateError", "InfeasibleBudgetError",
-    "MissingDependencyError", "NotDifferentiableError", "FinalizedGraphError",
-]
+#: Public name -> the module that defines it (loaded on first access).
+_EXPORTS = {
+    "gradients": "memsave_grads.api",
+    "gradients_speed": "memsave_grads.api",
+    "gradients_memory": "memsave_grads.api",
+    "gradients_collection": "memsave_grads.api",
+    "explain": "memsave_grads._explain",
+    "PlanReport": "memsave_grads._explain",
+    "Budget": "memsave_grads.core.budgets",
+    "profile_op_seconds": "memsave_grads.measure",
+    "recompute": "memsave_grads.recomputation",
+    "minimize": "memsave_grads.optimize",
+    "wrap_model": "memsave_grads.keras",
+    "unwrap_model": "memsave_grads.keras",
+    "is_wrapped": "memsave_grads.keras",
+    "patch": "memsave_grads.patching",
+    "unpatch": "memsave_grads.patching",
+    "is_patched": "memsave_grads.patching",
+    "original_gradients": "memsave_grads.patching",
+    **{name: "memsave_grads.errors" for name in (
+        "MemsaveGradsError", "InvalidArgumentError", "InvalidTypeError", "UnknownStrategyError",
+        "CheckpointNotOnPathError", "NoCheckpointsFoundError", "UnsupportedGraphError",
+        "SparseGradientError", "EagerExecutionError", "PatchStateError",
+        "InfeasibleBudgetError", "MissingDependencyError", "NotDifferentiableError",
+        "FinalizedGraphError")},
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memsave_grads' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    # Cache it, except where a submodule of the same name would shadow the function later.
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerly
+    from memsave_grads._explain import PlanReport, explain
+    from memsave_grads.api import (gradients, gradients_collection, gradients_memory,
+                                   gradients_speed)
+    from memsave_grads.core.budgets import Budget
+    from memsave_grads.errors import (CheckpointNotOnPathError, EagerExecutionError,
+                                      FinalizedGraphError, InfeasibleBudgetError,
+                                      InvalidArgumentError, InvalidTypeError, MemsaveGradsError,
+                                      MissingDependencyError, NoCheckpointsFoundError,
+                                      NotDifferentiableError, PatchStateError,
+                                      SparseGradientError, UnknownStrategyError,
+                                      UnsupportedGraphError)
+    from memsave_grads.keras import is_wrapped, unwrap_model, wrap_model
+    from memsave_grads.measure import profile_op_seconds
+    from memsave_grads.optimize import minimize
+    from memsave_grads.patching import is_patched, original_gradients, patch, unpatch
+    from memsave_grads.recomputation import recompute

@@ -47,7 +47,7 @@ from absl import logging
 
 FLAGS = flags.FLAGS
 
-#: Environment the measurements need before TensorFlow is imported (memory.CPU_BFC_ENV).
+#: Environment the measurements need before TensorFlow is imported (measure.CPU_BFC_ENV).
 CPU_BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
 COMMANDS = ("demo", "benchmark", "scaling", "explain", "budgets", "tradeoff", "solvers")
 #: Set in the environment of the re-executed process (see _ensure_environment).
@@ -92,41 +92,41 @@ def _ensure_environment() -> None:
 
 def _environment_line() -> str:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from memsave_grads import memory  # pylint: disable=import-outside-toplevel
-    return (f"TensorFlow {tf.__version__}, device {memory.default_device()}, "
+    from memsave_grads import measure  # pylint: disable=import-outside-toplevel
+    return (f"TensorFlow {tf.__version__}, device {measure.default_device()}, "
             f"{os.cpu_count()} CPU cores")
 
 
 def demo() -> int:
     """``demo``: the residual MLP, three methods, one table."""
-    from memsave_grads import _bench  # pylint: disable=import-outside-toplevel
-    from memsave_grads import memory  # pylint: disable=import-outside-toplevel
+    from memsave_grads.bench import harness  # pylint: disable=import-outside-toplevel
+    from memsave_grads import measure  # pylint: disable=import-outside-toplevel
 
-    spec = _bench.residual_mlp(FLAGS.depth, FLAGS.width, FLAGS.batch)
-    activation_mib = FLAGS.batch * FLAGS.width * 4 / memory.MIB
-    weights_mib = FLAGS.depth * FLAGS.width * FLAGS.width * 4 / memory.MIB
+    spec = harness.residual_mlp(FLAGS.depth, FLAGS.width, FLAGS.batch)
+    activation_mib = FLAGS.batch * FLAGS.width * 4 / measure.MIB
+    weights_mib = FLAGS.depth * FLAGS.width * FLAGS.width * 4 / measure.MIB
     print(f"{spec.description}; {activation_mib:.3g} MiB per activation, "
           f"{weights_mib:.3g} MiB of weights; one SGD step per run, median of "
           f"{FLAGS.repeats}. {_environment_line()}.\n", flush=True)
     start = time.perf_counter()
-    results = _bench.measure_model(spec, repeats=FLAGS.repeats)
+    results = harness.measure_model(spec, repeats=FLAGS.repeats)
     logging.info("demo measured in %.1f s", time.perf_counter() - start)
-    print(_bench.demo_table(results))
+    print(harness.demo_table(results))
     print()
-    for method in _bench.DEFAULT_METHODS[1:]:
-        line = _bench.summary_line(results, method)
-        if line and method is not _bench.MEMORY:
+    for method in harness.DEFAULT_METHODS[1:]:
+        line = harness.summary_line(results, method)
+        if line and method is not harness.MEMORY:
             print(line)
-    line = _bench.summary_line(results, _bench.MEMORY)
-    print(line or f"{_bench.MEMORY.label}: n/a ({results[1].skipped or results[1].failed})")
+    line = harness.summary_line(results, harness.MEMORY)
+    print(line or f"{harness.MEMORY.label}: n/a ({results[1].skipped or results[1].failed})")
     return 0
 
 
 def benchmark() -> int:
     """``benchmark``: every model family; returns 1 if a model failed unexpectedly."""
-    from memsave_grads import _bench  # pylint: disable=import-outside-toplevel
+    from memsave_grads.bench import harness  # pylint: disable=import-outside-toplevel
 
-    models = _selected_models(_bench.benchmark_models())
+    models = _selected_models(harness.benchmark_models())
     all_results = []
     status = 0
     start = time.perf_counter()
@@ -134,28 +134,28 @@ def benchmark() -> int:
         logging.info("[%d/%d] %s ...", i, len(models), spec.description)
         model_start = time.perf_counter()
         try:
-            results = _bench.measure_model(spec, repeats=FLAGS.repeats)
+            results = harness.measure_model(spec, repeats=FLAGS.repeats)
         except Exception as e:  # pylint: disable=broad-except  # keep the other models' rows
             logging.exception("[%d/%d] %s failed", i, len(models), spec.name)
-            results = _bench.failed_results(spec, _bench.DEFAULT_METHODS, e)
+            results = harness.failed_results(spec, harness.DEFAULT_METHODS, e)
             status = 1
         all_results.append(results)
-        summary = "; ".join(filter(None, (_bench.summary_line(results, m)
-                                          for m in _bench.DEFAULT_METHODS[1:])))
+        summary = "; ".join(filter(None, (harness.summary_line(results, m)
+                                          for m in harness.DEFAULT_METHODS[1:])))
         logging.info("[%d/%d] %s done in %.1f s. %s", i, len(models), spec.name,
                      time.perf_counter() - model_start, summary or "")
     logging.info("benchmark measured in %.1f s", time.perf_counter() - start)
 
-    table = _bench.benchmark_table(all_results)
+    table = harness.benchmark_table(all_results)
     print(table)
     print()
-    print(_bench.TABLE_NOTES)
+    print(harness.TABLE_NOTES)
     if FLAGS.output:
         with open(FLAGS.output, "w", encoding="utf-8") as f:
             f.write("# memsave_grads benchmark\n\n")
             f.write(f"{datetime.date.today().isoformat()}, {_environment_line()}, "
                     f"median of {FLAGS.repeats} steps.\n\n")
-            f.write(table + "\n\n" + _bench.TABLE_NOTES + "\n")
+            f.write(table + "\n\n" + harness.TABLE_NOTES + "\n")
         logging.info("wrote %s", FLAGS.output)
     return status
 
@@ -174,38 +174,38 @@ def _selected_models(models):
 
 def scaling() -> int:
     """``scaling``: peak vs depth (table + optional PNG), then rewrite-time ratios."""
-    from memsave_grads import _bench  # pylint: disable=import-outside-toplevel
-    from memsave_grads import _bench_keras  # pylint: disable=import-outside-toplevel
-    from memsave_grads import memory  # pylint: disable=import-outside-toplevel
+    from memsave_grads.bench import harness  # pylint: disable=import-outside-toplevel
+    from memsave_grads.bench import keras_models  # pylint: disable=import-outside-toplevel
+    from memsave_grads import measure  # pylint: disable=import-outside-toplevel
 
-    methods = (_bench.REFERENCE, _bench.MEMORY)
+    methods = (harness.REFERENCE, harness.MEMORY)
     rows, points = [], []
-    specs = _bench.scaling_models()
+    specs = harness.scaling_models()
     for i, spec in enumerate(specs, 1):
         logging.info("[%d/%d] %s ...", i, len(specs), spec.description)
-        plain, ours = _bench.measure_model(spec, methods, repeats=1)
-        depth = _bench.SCALING_DEPTHS[i - 1]
-        points.append((depth, plain.peak_bytes / memory.MIB, ours.peak_bytes / memory.MIB))
-        rows.append([str(depth), _bench._number(points[-1][1]),  # pylint: disable=protected-access
-                     _bench._number(points[-1][2]),  # pylint: disable=protected-access
-                     _bench.format_peak_ratio(plain.peak_bytes, ours.peak_bytes),
+        plain, ours = harness.measure_model(spec, methods, repeats=1)
+        depth = harness.SCALING_DEPTHS[i - 1]
+        points.append((depth, plain.peak_bytes / measure.MIB, ours.peak_bytes / measure.MIB))
+        rows.append([str(depth), harness._number(points[-1][1]),  # pylint: disable=protected-access
+                     harness._number(points[-1][2]),  # pylint: disable=protected-access
+                     harness.format_peak_ratio(plain.peak_bytes, ours.peak_bytes),
                      f"{points[-1][2] / (depth ** 0.5):.2f}"])
-    peak_table = _bench._table(  # pylint: disable=protected-access
+    peak_table = harness._table(  # pylint: disable=protected-access
         ["depth", "tf.gradients peak MiB", "'memory' peak MiB", "ratio",
          "'memory' MiB / sqrt(depth)"], "rrrrr", rows)
     print(f"Residual MLP family, width 512, batch 128 (one activation 0.25 MiB):\n\n{peak_table}\n")
     if FLAGS.plot:
         _plot_scaling(points, FLAGS.plot)
 
-    build_specs = [_bench.tanh_mlp(depth=1000, width=64, batch=64)]
-    build_specs += _selected_models([build() for build in _bench_keras.KERAS_MODELS.values()])
+    build_specs = [harness.tanh_mlp(depth=1000, width=64, batch=64)]
+    build_specs += _selected_models([build() for build in keras_models.KERAS_MODELS.values()])
     rows = []
     for i, spec in enumerate(build_specs, 1):
         logging.info("[%d/%d] rewrite time of %s ...", i, len(build_specs), spec.name)
-        plain, ours, forward_ops = _bench.measure_build_seconds(spec)
+        plain, ours, forward_ops = harness.measure_build_seconds(spec)
         rows.append([spec.name, str(forward_ops), f"{plain:.2f}", f"{ours:.2f}",
                      f"{ours / plain:.2f}x"])
-    build_table = _bench._table(  # pylint: disable=protected-access
+    build_table = harness._table(  # pylint: disable=protected-access
         ["graph", "ops before gradients", "tf.gradients s", "'memory' s", "ratio"], "lrrrr", rows)
     print("Graph construction time (best of 3, fresh graph each):\n\n" + build_table)
     if FLAGS.output:
@@ -245,9 +245,9 @@ def explain() -> int:
     """``explain``: print the plan of each selected model (graphs only)."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import memsave_grads  # pylint: disable=import-outside-toplevel
-    from memsave_grads import _bench  # pylint: disable=import-outside-toplevel
+    from memsave_grads.bench import harness  # pylint: disable=import-outside-toplevel
 
-    for spec in _selected_models(_bench.benchmark_models()):
+    for spec in _selected_models(harness.benchmark_models()):
         with tf.Graph().as_default():
             loss, variables = spec.build()
             report = memsave_grads.explain(loss, variables, checkpoints=FLAGS.checkpoints)
@@ -266,21 +266,21 @@ def _write(text: str, title: str) -> None:
 
 def budgets() -> int:
     """``budgets``: measured peak and overhead under budgets, per model."""
-    from memsave_grads import _bench  # pylint: disable=import-outside-toplevel
+    from memsave_grads.bench import harness  # pylint: disable=import-outside-toplevel
 
     fractions = [float(f) for f in FLAGS.fractions]
-    methods = [_bench.REFERENCE] + [_bench.Method(f"budget {f:.0%}", f"budget:{f * 100:g}%")
+    methods = [harness.REFERENCE] + [harness.Method(f"budget {f:.0%}", f"budget:{f * 100:g}%")
                                     for f in fractions]
     all_results, status = [], 0
-    for i, spec in enumerate(_selected_models(_bench.benchmark_models()), 1):
+    for i, spec in enumerate(_selected_models(harness.benchmark_models()), 1):
         logging.info("[%d] %s ...", i, spec.description)
         try:
-            all_results.append(_bench.measure_model(spec, methods, repeats=FLAGS.repeats))
+            all_results.append(harness.measure_model(spec, methods, repeats=FLAGS.repeats))
         except Exception as e:  # pylint: disable=broad-except  # keep the other models' rows
             logging.exception("%s failed", spec.name)
-            all_results.append(_bench.failed_results(spec, methods, e))
+            all_results.append(harness.failed_results(spec, methods, e))
             status = 1
-    _write(_bench.budget_table(all_results) + "\n\n" + _bench.BUDGET_NOTES,
+    _write(harness.budget_table(all_results) + "\n\n" + harness.BUDGET_NOTES,
            "memsave_grads under memory budgets")
     return status
 
@@ -288,38 +288,38 @@ def budgets() -> int:
 def tradeoff() -> int:
     """``tradeoff``: Pareto front (predicted) with measured points, per model."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from memsave_grads import _bench  # pylint: disable=import-outside-toplevel
-    from memsave_grads import _bench_solvers  # pylint: disable=import-outside-toplevel
-    from memsave_grads import memory_model  # pylint: disable=import-outside-toplevel
-    from memsave_grads import solvers  # pylint: disable=import-outside-toplevel
+    from memsave_grads.bench import harness  # pylint: disable=import-outside-toplevel
+    from memsave_grads.bench import solvers as bench_solvers  # pylint: disable=import-outside-toplevel
+    from memsave_grads.core import memory_model  # pylint: disable=import-outside-toplevel
+    from memsave_grads.core import solvers  # pylint: disable=import-outside-toplevel
 
-    models = _bench.benchmark_models()
+    models = harness.benchmark_models()
     models = _selected_models(models) if FLAGS.models else [
         m for m in models if "resnet50" in m.name.lower()]
     fractions = [float(f) for f in FLAGS.fractions]
     sections, curves = [], []
     for spec in models:
         with tf.Graph().as_default():
-            problem = _bench_solvers.problem_for(*spec.build())
+            problem = bench_solvers.problem_for(*spec.build())
         total = sum(problem.graph.cost_of(v) for v in range(problem.graph.num_nodes))
         plain = memory_model.plain_peak_bytes(problem.graph)
         front = solvers.tradeoff(problem.with_budget(plain), points=16)
-        methods = [_bench.REFERENCE] + [_bench.Method(f"budget {f:.0%}", f"budget:{f * 100:g}%")
+        methods = [harness.REFERENCE] + [harness.Method(f"budget {f:.0%}", f"budget:{f * 100:g}%")
                                         for f in fractions]
-        measured = _bench.measure_model(spec, methods, repeats=FLAGS.repeats)
-        sections.append(_bench.tradeoff_table(spec.name, front, total, plain, measured))
+        measured = harness.measure_model(spec, methods, repeats=FLAGS.repeats)
+        sections.append(harness.tradeoff_table(spec.name, front, total, plain, measured))
         curves.append((spec.name, front, total, plain, measured))
     _write("\n\n".join(sections), "Peak memory vs recompute: the trade-off curve")
     if FLAGS.plot:
-        _bench.plot_tradeoff(curves, FLAGS.plot)
+        harness.plot_tradeoff(curves, FLAGS.plot)
     return 0
 
 
 def solvers_command() -> int:
     """``solvers``: greedy vs dp vs milp on small graphs."""
-    from memsave_grads import _bench_solvers  # pylint: disable=import-outside-toplevel
-    rows = _bench_solvers.compare()
-    _write(_bench_solvers.comparison_table(rows) + "\n\n" + _bench_solvers.NOTES,
+    from memsave_grads.bench import solvers as bench_solvers  # pylint: disable=import-outside-toplevel
+    rows = bench_solvers.compare()
+    _write(bench_solvers.comparison_table(rows) + "\n\n" + bench_solvers.NOTES,
            "Budget solvers on small graphs")
     return 0
 

@@ -2,7 +2,7 @@
 
 It runs the same selection as :func:`memsave_grads.gradients` and stops before the rewrite, so
 it adds nothing to the graph. The predicted peaks come from the static memory model
-(:mod:`memsave_grads.memory_model`): compare them with each other, and with a measurement
+(:mod:`memsave_grads.core.memory_model`): compare them with each other, and with a measurement
 (``python -m memsave_grads benchmark`` prints both), not with a byte-exact expectation.
 """
 
@@ -12,11 +12,11 @@ import dataclasses
 
 import tensorflow as tf
 
-from memsave_grads import _select
-from memsave_grads import _tf_graph
+from memsave_grads._tf import selection
+from memsave_grads._tf import graph as tf_graph
 from memsave_grads import api
-from memsave_grads import memory_model
-from memsave_grads import multilevel
+from memsave_grads.core import memory_model
+from memsave_grads.core import multilevel
 
 _MIB = 1024 * 1024
 
@@ -149,10 +149,10 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
                             tf_gradients_kwargs)
     ctx = prepared.selection
     model = ctx.model
-    decision = _select.decide_schedule(ctx, checkpoints, prepared.chosen, prepared.kept)
+    decision = selection.decide_schedule(ctx, checkpoints, prepared.chosen, prepared.kept)
     index = {op: i for i, op in enumerate(ctx.region)}
     kept = {index[op] for op in prepared.kept if op in index}
-    not_replayed = {i for i in kept if not _tf_graph.is_replayable(ctx.region[i])}
+    not_replayed = {i for i in kept if not tf_graph.is_replayable(ctx.region[i])}
     segs = memory_model.segments(model, kept, not_replayed)
     levels = []
     for number, group in enumerate(segs.levels(), 1):

@@ -10,10 +10,10 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from memsave_grads import _select
-from memsave_grads import _stitch
-from memsave_grads import _tf_graph
-from memsave_grads import budgets
+from memsave_grads._tf import selection
+from memsave_grads._tf import stitch
+from memsave_grads._tf import graph as tf_graph
+from memsave_grads.core import budgets
 from memsave_grads import errors
 
 #: Keyword arguments of tf.gradients we pass through (``name`` included).
@@ -44,14 +44,14 @@ def _as_list(value, argname: str, allow_none: bool = False) -> list:
 
 
 def _check_graph_tensor(value, where: str, allow_variable: bool) -> tf.Tensor:
-    if allow_variable and _tf_graph.is_resource_variable(value):
+    if allow_variable and tf_graph.is_resource_variable(value):
         # Inside tf.function a variable created outside has an eager handle; converting it in
         # the function's graph gives the captured placeholder its reads consume.
         value = tf.convert_to_tensor(value.handle)
     elif isinstance(value, tf.Variable):
         raise errors.InvalidTypeError(
             f"{where}: got a variable {value.name!r}; pass the tensor computed from it.")
-    if _tf_graph.is_eager_tensor(value):
+    if tf_graph.is_eager_tensor(value):
         raise errors.EagerExecutionError(
             f"{where}: got an eager tensor; memsave_grads rewrites graphs, and eager tensors have "
             "none. Call it inside a tf.function or a tf.Graph (tf.compat.v1 graph mode), or use "
@@ -66,13 +66,13 @@ def _check_graph_tensor(value, where: str, allow_variable: bool) -> tf.Tensor:
 def _given_x(value, where: str, graph: tf.Graph):
     """An ``x`` as given, as a tensor: a variable's handle (resource) or ``_ref`` tensor
     (TF1 reference variable, what tf.gradients differentiates), or the tensor itself."""
-    if _tf_graph.is_resource_variable(value):
+    if tf_graph.is_resource_variable(value):
         return value.handle
-    if _tf_graph.is_reference_variable(value):
+    if tf_graph.is_reference_variable(value):
         with graph.as_default():
-            return _tf_graph.reference_tensor(value)
-    if _tf_graph.is_eager_tensor(value):
-        if not _tf_graph.is_function_graph(graph):
+            return tf_graph.reference_tensor(value)
+    if tf_graph.is_eager_tensor(value):
+        if not tf_graph.is_function_graph(graph):
             raise errors.EagerExecutionError(
                 f"{where}: got an eager tensor, but ys were built in a tf.Graph, which cannot "
                 "read eager values. Pass a tensor of that graph, or differentiate inside the "
@@ -89,8 +89,8 @@ def _resolve_x(given, where: str, graph: tf.Graph, y_name: str):
     """``given`` as the ops of ``graph`` read it: itself, or the placeholder that captured it
     from an enclosing graph (design note "captured xs"); None where ``graph`` never reads it
     (its gradient is None, as in tf.gradients)."""
-    if _tf_graph.is_eager_tensor(given) or _tf_graph.encloses(given.graph, graph):
-        return _tf_graph.as_seen_from(given, graph)
+    if tf_graph.is_eager_tensor(given) or tf_graph.encloses(given.graph, graph):
+        return tf_graph.as_seen_from(given, graph)
     raise errors.InvalidArgumentError(
         f"{where}: {given.name!r} belongs to a graph that neither is nor encloses the graph of "
         f"ys[0] ({y_name!r}), so ys cannot depend on it. Differentiate with respect to tensors "
@@ -106,7 +106,7 @@ def _normalise(ys, xs, grad_ys):
     if not ys:
         raise errors.InvalidArgumentError("ys: got an empty list; pass at least one tensor.")
     # ys may also come from graphs enclosing the innermost one, as in tf.gradients.
-    graph = next((t.graph for t in ys if all(_tf_graph.encloses(u.graph, t.graph) for u in ys)),
+    graph = next((t.graph for t in ys if all(tf_graph.encloses(u.graph, t.graph) for u in ys)),
                  None)
     if graph is None:
         raise errors.InvalidArgumentError(
@@ -117,7 +117,7 @@ def _normalise(ys, xs, grad_ys):
     given_xs = [_given_x(x, f"xs[{i}]", graph) for i, x in enumerate(_as_list(xs, "xs"))]
     resolved = [_resolve_x(x, f"xs[{i}]", graph, inner_name) for i, x in enumerate(given_xs)]
     for name, tensors in (("ys", ys), ("xs", given_xs)):
-        if tensors and not any(_tf_graph.carries_gradients(t) for t in tensors):
+        if tensors and not any(tf_graph.carries_gradients(t) for t in tensors):
             given = ", ".join(f"{_describe_tensor(t)} ({t.dtype.name})" for t in tensors[:3])
             raise errors.NotDifferentiableError(
                 f"{name}: expected at least one floating-point or complex tensor, got only "
@@ -137,7 +137,7 @@ def _normalise(ys, xs, grad_ys):
 
 
 def _describe_tensor(t) -> str:
-    return repr(t.name) if not _tf_graph.is_eager_tensor(t) else "an eager tensor"
+    return repr(t.name) if not tf_graph.is_eager_tensor(t) else "an eager tensor"
 
 
 @tf.autograph.experimental.do_not_convert
@@ -169,16 +169,16 @@ def gradients(ys, xs, grad_ys=None, checkpoints="collection", **tf_gradients_kwa
       ``NoCheckpointsFoundError`` when the strategy finds nothing to keep.
     """
     prepared = _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
-    if not _select.decide_schedule(prepared.selection, checkpoints, prepared.chosen,
+    if not selection.decide_schedule(prepared.selection, checkpoints, prepared.chosen,
                                    prepared.kept).rewrite:  # design note "never worse"
-        return _tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
+        return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
     with prepared.graph.as_default():
-        grads = _stitch.backprop(
+        grads = stitch.backprop(
             prepared.ys, prepared.xs, prepared.grad_ys, prepared.region, prepared.kept,
             prepared.user_stops, prepared.tf_kwargs,
             unconnected_zero=prepared.unconnected == tf.UnconnectedGradients.ZERO,
             scope_prefix=f"{prepared.scope}_memsave",
-            nested=_stitch.nested_ops(getattr(prepared.selection.plan, "nested", None),
+            nested=stitch.nested_ops(getattr(prepared.selection.plan, "nested", None),
                                       prepared.region))  # design note "multi-level"
         return prepared.per_given_x(grads)
 
@@ -195,7 +195,7 @@ def _check_not_finalized(graph: tf.Graph) -> None:
 def _check_same_or_enclosing_graph(t: tf.Tensor, where: str, what: str, graph: tf.Graph) -> None:
     # A tf.function captures tensors of the graphs it is traced in, so tf.gradients accepts
     # them there; any other graph is an error in TensorFlow too ("must be from the same graph").
-    if not _tf_graph.is_eager_tensor(t) and not _tf_graph.encloses(t.graph, graph):
+    if not tf_graph.is_eager_tensor(t) and not tf_graph.encloses(t.graph, graph):
         raise errors.InvalidArgumentError(
             f"{where}: {what} {t.name!r} belongs to a graph that neither is nor encloses the "
             "graph of ys. Build it in the graph (or tf.function) that computes ys.")
@@ -209,15 +209,15 @@ def _grad_y_signature(grad_y, where: str, graph: tf.Graph) -> tuple[tf.DType, tf
             if isinstance(part, tf.Tensor):
                 _check_same_or_enclosing_graph(part, where, "the IndexedSlices' tensor", graph)
         return grad_y.dtype, grad_y.shape  # an unknown dense_shape gives an unknown shape
-    if _tf_graph.is_resource_variable(grad_y):
+    if tf_graph.is_resource_variable(grad_y):
         _check_same_or_enclosing_graph(grad_y.handle, where, "the variable handle", graph)
         return grad_y.dtype, grad_y.shape
-    if _tf_graph.is_reference_variable(grad_y):
-        _check_same_or_enclosing_graph(_tf_graph.reference_tensor(grad_y), where,
+    if tf_graph.is_reference_variable(grad_y):
+        _check_same_or_enclosing_graph(tf_graph.reference_tensor(grad_y), where,
                                        "the variable", graph)
         return grad_y.dtype.base_dtype, grad_y.shape
     if isinstance(grad_y, tf.Tensor):
-        if _tf_graph.is_eager_tensor(grad_y) and not _tf_graph.is_function_graph(graph):
+        if tf_graph.is_eager_tensor(grad_y) and not tf_graph.is_function_graph(graph):
             raise errors.EagerExecutionError(
                 f"{where}: got an eager tensor, which a tf.Graph cannot read (only a "
                 "tf.function captures eager values). Build grad_ys in the graph of ys, or pass "
@@ -332,7 +332,7 @@ class _Prepared:
     tf_kwargs: dict
     unconnected: tf.UnconnectedGradients
     scope: str
-    selection: _select.SelectionContext
+    selection: selection.SelectionContext
     chosen: set
     kept: set
 
@@ -355,20 +355,20 @@ class _Prepared:
         own = len(grads) - len(self.crossing)
         slot_grads = iter(grads[:own])
         out = [next(slot_grads) if slot is not None else None for slot in self.x_slots]
-        carried = [(_tf_graph.captured_value(p), tf.convert_to_tensor(g))
+        carried = [(tf_graph.captured_value(p), tf.convert_to_tensor(g))
                    for p, g in zip(self.crossing, grads[own:]) if g is not None]
         carried += self.outer_targets
         outer = [i for i, x in enumerate(self.given_xs)
-                 if not _tf_graph.is_eager_tensor(x) and x.graph is not self.graph]
+                 if not tf_graph.is_eager_tensor(x) and x.graph is not self.graph]
         if carried and outer:
-            further = _tf_graph.ORIGINAL_GRADIENTS(
+            further = tf_graph.ORIGINAL_GRADIENTS(
                 [y for y, _ in carried], [self.given_xs[i] for i in outer],
                 grad_ys=[g for _, g in carried],
                 stop_gradients=self.user_stops or None, **self.tf_kwargs)
             for i, g in zip(outer, further):
-                out[i] = _stitch.aggregate([out[i], g], self.given_xs[i])
+                out[i] = stitch.aggregate([out[i], g], self.given_xs[i])
         if self.unconnected == tf.UnconnectedGradients.ZERO:
-            out = [_stitch.zeros_like(x) if g is None else g for x, g in zip(self.given_xs, out)]
+            out = [stitch.zeros_like(x) if g is None else g for x, g in zip(self.given_xs, out)]
         return out
 
 
@@ -403,7 +403,7 @@ def _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
     scope = kwargs.get("name") or "gradients"
     # A y of an enclosing graph is differentiated through its capture where ys' graph
     # captured it, and otherwise entirely beyond the captures (design note "captured xs").
-    y_slots = [y if y.graph is graph else _tf_graph.as_seen_from(y, graph) for y in ys]
+    y_slots = [y if y.graph is graph else tf_graph.as_seen_from(y, graph) for y in ys]
     outer_targets = [(y, gy) for y, slot, gy in zip(ys, y_slots, grad_ys) if slot is None]
     grad_ys = [gy for slot, gy in zip(y_slots, grad_ys) if slot is not None]
     ys = [slot for slot in y_slots if slot is not None]
@@ -411,20 +411,20 @@ def _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
     # handle) may reach ys through several captures: its gradient is carried out through all
     # of them, its own capture included (design note "captured xs").
     outer_xs = [given for given, seen in zip(given_xs, x_slots) if given is not seen]
-    crossing = _tf_graph.crossing_captures(ys, outer_xs, stop_ops={t.op for t in user_stops})
-    x_slots = [None if slot is not None and _tf_graph.is_captured_value(given, slot)
+    crossing = tf_graph.crossing_captures(ys, outer_xs, stop_ops={t.op for t in user_stops})
+    x_slots = [None if slot is not None and tf_graph.is_captured_value(given, slot)
                else slot for given, slot in zip(given_xs, x_slots)]
     xs = [x for x in x_slots if x is not None] + crossing
 
     with graph.as_default():
-        region = _tf_graph.forward_region(ys, xs, stop_ops={t.op for t in user_stops})
-        must_keep = _select.forced_keep(region, xs)
-        ctx = _select.SelectionContext(graph=graph, region=region, xs=xs, ys=ys,
+        region = tf_graph.forward_region(ys, xs, stop_ops={t.op for t in user_stops})
+        must_keep = selection.forced_keep(region, xs)
+        ctx = selection.SelectionContext(graph=graph, region=region, xs=xs, ys=ys,
                                        must_keep=must_keep)
         # No forward op between xs and ys (ys do not depend on xs): nothing to choose; the
         # gradients are None (or zeros), as tf.gradients gives.
-        chosen = _select.select(ctx, checkpoints) if select and region else set()
-        kept = _select.single_owner(ctx, must_keep | chosen)
+        chosen = selection.select(ctx, checkpoints) if select and region else set()
+        kept = selection.single_owner(ctx, must_keep | chosen)
     logging.vlog(1, "memsave_grads: %d forward ops, %d checkpoints chosen, %d kept in all",
                  len(region), len(chosen), len(kept))
     return _Prepared(graph=graph, ys=ys, given_xs=given_xs, x_slots=x_slots,
@@ -447,10 +447,10 @@ def check_deferred_options(checkpoints, fallback: str) -> None:
             f"fallback: expected one of {list(FALLBACKS)}, got {fallback!r}.")
     if budgets.is_budget_string(checkpoints):
         budgets.Budget.parse(checkpoints)  # a malformed budget fails now, not at first use
-    elif isinstance(checkpoints, str) and checkpoints not in _select.STRATEGIES:
+    elif isinstance(checkpoints, str) and checkpoints not in selection.STRATEGIES:
         raise errors.UnknownStrategyError(
             f"checkpoints: unknown strategy {checkpoints!r}. Expected one of "
-            f"{sorted(_select.STRATEGIES)}, a budget ('budget:4GiB', 'budget:50%', "
+            f"{sorted(selection.STRATEGIES)}, a budget ('budget:4GiB', 'budget:50%', "
             "memsave_grads.Budget), a list of tensors, or a list of name patterns.")
 
 
@@ -473,7 +473,7 @@ def gradients_or_fallback(ys, xs, grad_ys, checkpoints, fallback: str, caller: s
         if fallback == "error":
             raise
         logging.warning("%s: falling back to tf.gradients: %s", caller, exc)
-        return _tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
+        return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
 
 
 #: Solves at the reported smallest peak before settling for plain tf.gradients: a heuristic
@@ -512,7 +512,7 @@ def _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, infeasible, caller
         if retry is None:
             warn(error, "no plan is predicted to peak below plain tf.gradients here, so it "
                  "computes these gradients.")
-            return _tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
+            return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
         try:
             grads = gradients(ys, xs, grad_ys, checkpoints=retry, **tf_gradients_kwargs)
         except errors.InfeasibleBudgetError as again:
@@ -522,7 +522,7 @@ def _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, infeasible, caller
         return grads
     warn(error, f"the solver found no plan at that peak in {SMALLEST_PEAK_ATTEMPTS} attempts, "
          "so plain tf.gradients computes these gradients.")
-    return _tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
+    return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
 
 
 def _shortcut(strategy: str):

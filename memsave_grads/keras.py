@@ -18,7 +18,7 @@ import tensorflow as tf
 from absl import logging
 
 from memsave_grads import api
-from memsave_grads import budgets
+from memsave_grads.core import budgets
 from memsave_grads import errors
 
 KERAS2 = "Keras 2 (tf_keras)"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import tensorflow as tf
 from absl import logging
 
-from memsave_grads import _schedule
-from memsave_grads import _tf_graph
+from memsave_grads._tf import early_release
+from memsave_grads._tf import graph as tf_graph
 from memsave_grads import api
 from memsave_grads import errors
 
@@ -89,7 +89,7 @@ def _check_var_list(var_list, graph: tf.Graph) -> list:
                                           "train.")
     seen = set()
     for i, v in enumerate(var_list):
-        if not _tf_graph.is_resource_variable(v):
+        if not tf_graph.is_resource_variable(v):
             what = ("a reference (non-resource) variable" if isinstance(v, tf.Variable)
                     else f"{type(v).__name__}: {v!r:.60}")
             raise errors.InvalidTypeError(
@@ -163,7 +163,7 @@ def minimize(loss, optimizer, var_list=None, checkpoints="memory", global_step=N
                     f"var_list[{i}]: variable {v.name!r} belongs to another graph than loss "
                     f"{loss.name!r}. Build the loss from these variables in the same graph.")
         # Refuse a loss that reaches no variable before adding anything to the graph.
-        region = set(_tf_graph.forward_region([loss], handles))
+        region = set(tf_graph.forward_region([loss], handles))
         connected = [any(c in region for c in h.consumers()) for h in handles]
         if not any(connected):
             names = ", ".join(repr(v.name) for v in var_list[:3])
@@ -172,12 +172,12 @@ def minimize(loss, optimizer, var_list=None, checkpoints="memory", global_step=N
                 f"{', ...' if len(var_list) > 3 else ''}). Pass the variables the loss is "
                 "computed from.")
 
-        grad_floor = _schedule.last_op_id(graph)
+        grad_floor = early_release.last_op_id(graph)
         if checkpoints is None:
-            grads = _tf_graph.ORIGINAL_GRADIENTS([loss], var_list)
+            grads = tf_graph.ORIGINAL_GRADIENTS([loss], var_list)
         else:
             grads = api.gradients(loss, var_list, checkpoints=checkpoints)
-        apply_floor = _schedule.last_op_id(graph)
+        apply_floor = early_release.last_op_id(graph)
         grads_and_vars = list(zip(grads, var_list))
         if family == _V1:
             result = optimizer.apply_gradients(grads_and_vars, global_step=global_step,
@@ -194,13 +194,13 @@ def minimize(loss, optimizer, var_list=None, checkpoints="memory", global_step=N
         for v, h, g in zip(var_list, handles, grads):
             if g is None:
                 continue
-            fed, every = _schedule.update_ops(g, h, apply_floor)
-            updates.append(_schedule.VariableUpdate(
+            fed, every = early_release.update_ops(g, h, apply_floor)
+            updates.append(early_release.VariableUpdate(
                 name=v.name, handle=h, grad=g,
-                producers=_schedule.gradient_producers(g, grad_floor),
+                producers=early_release.gradient_producers(g, grad_floor),
                 fed_ops=fed, update_ops=every,
-                readers=[r for r in _schedule.value_readers(h, apply_floor)
-                         if _schedule.op_id(r) > grad_floor or r in step_ops]))
+                readers=[r for r in early_release.value_readers(h, apply_floor)
+                         if early_release.op_id(r) > grad_floor or r in step_ops]))
         unordered = [u.name for u in updates if not u.fed_ops]
         if unordered:
             logging.warning("memsave_grads.minimize: apply_gradients of %s built no op reading "
@@ -216,9 +216,9 @@ def minimize(loss, optimizer, var_list=None, checkpoints="memory", global_step=N
         # TensorFlow copy the whole weight (copy-on-write), one more weight of memory.
         # Backprop completes the gradients in this order (the op computing the last piece of
         # a gradient is created later for layers nearer the input).
-        updates.sort(key=lambda u: max(map(_schedule.op_id, u.producers), default=0))
-        _schedule.mark_early_roots(updates)
-        stats = _schedule.order_updates(updates, grad_floor)
+        updates.sort(key=lambda u: max(map(early_release.op_id, u.producers), default=0))
+        early_release.mark_early_roots(updates)
+        stats = early_release.order_updates(updates, grad_floor)
     logging.vlog(1, "memsave_grads.minimize: %d variables; control edges %s", len(updates),
                  stats)
     if stats["skipped_cycles"]:

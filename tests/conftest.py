@@ -36,8 +36,8 @@ def _rewrite_even_where_plain_would_do(request, monkeypatch):
     parity test would compare tf.gradients with itself. The rule stays on for tests marked
     ``never_worse``: the tests of the rule, and measured peaks of whole models."""
     if request.node.get_closest_marker("never_worse") is None:
-        from memsave_grads import _select  # pylint: disable=import-outside-toplevel
-        monkeypatch.setattr(_select, "NEVER_WORSE_RULE", False)
+        from memsave_grads._tf import selection  # pylint: disable=import-outside-toplevel
+        monkeypatch.setattr(selection, "NEVER_WORSE_RULE", False)
 
 
 @pytest.fixture

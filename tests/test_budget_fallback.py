@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import memsave_grads as mg
 from conftest import assert_grads_close
-from memsave_grads import budgets
+from memsave_grads.core import budgets
 
 
 def _chain(layers=12):

@@ -7,11 +7,11 @@ import tensorflow as tf
 import memsave_grads as mg
 from conftest import assert_grads_close
 from graphs import BUILDERS
-from memsave_grads import _bench_solvers
-from memsave_grads import budgets
-from memsave_grads import graph as graph_lib
-from memsave_grads import memory_model
-from memsave_grads import solvers
+from memsave_grads.bench import solvers as bench_solvers
+from memsave_grads.core import budgets
+from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import memory_model
+from memsave_grads.core import solvers
 
 MIB = 2**20
 
@@ -135,14 +135,14 @@ def test_tradeoff_is_a_pareto_front():
 
 @pytest.fixture(scope="module")
 def small_graph_rows():
-    return _bench_solvers.compare(fractions=(0.6, 0.45))
+    return bench_solvers.compare(fractions=(0.6, 0.45))
 
 
 def test_greedy_is_near_the_exact_solvers(small_graph_rows):
     """The issue's target (within 10% of the optimum) on graphs of <= 200 ops: met on most rows
     (docs/budgets.md lists the misses); single-level plans never worse than 1.5x, always within
     the budget."""
-    report = _bench_solvers.comparison_table(small_graph_rows)
+    report = bench_solvers.comparison_table(small_graph_rows)
     within = 0
     for row in small_graph_rows:
         assert row.forward_ops <= 200, report
@@ -150,7 +150,7 @@ def test_greedy_is_near_the_exact_solvers(small_graph_rows):
         if not isinstance(greedy, budgets.BudgetPlan):
             continue
         assert greedy.predicted_peak_bytes <= row.budget_bytes
-        best = _bench_solvers.best_cost(row)
+        best = bench_solvers.best_cost(row)
         if greedy.nested:  # no single-level plan found: the revolve fallback, counted a miss
             continue
         assert greedy.recompute_cost <= 1.5 * best + 1e-9, report
@@ -160,13 +160,13 @@ def test_greedy_is_near_the_exact_solvers(small_graph_rows):
 
 def test_a_proven_milp_optimum_is_never_beaten(small_graph_rows):
     """milp's ``optimal`` flag claims no plan recomputes less: no other solver's plan may."""
-    report = _bench_solvers.comparison_table(small_graph_rows)
+    report = bench_solvers.comparison_table(small_graph_rows)
     proven = 0
     for row in small_graph_rows:
         milp = row.plans["milp"]
         if isinstance(milp, budgets.BudgetPlan) and milp.optimal:
             proven += 1
-            assert milp.recompute_cost <= _bench_solvers.best_cost(row) + 1e-9, report
+            assert milp.recompute_cost <= bench_solvers.best_cost(row) + 1e-9, report
     assert proven >= len(small_graph_rows) // 2, report
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import tensorflow as tf
 
-from memsave_grads import _bench
+from memsave_grads.bench import harness
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEMO_SMALL = ["demo", "--depth", "8", "--width", "64", "--batch", "8", "--repeats", "1"]
@@ -81,7 +81,7 @@ def test_every_example_is_smoke_tested():
     assert scripts == set(SMALL_EXAMPLES) | {"session_loop.py", "tf_function_loop.py"}
 
 
-def _elementwise_chain() -> _bench.ModelSpec:
+def _elementwise_chain() -> harness.ModelSpec:
     """No matmul at all: the 'speed' strategy has nothing to keep."""
 
     def build():
@@ -91,37 +91,37 @@ def _elementwise_chain() -> _bench.ModelSpec:
             h = tf.tanh(h * 1.5)
         return tf.reduce_mean(tf.square(h)), [w]
 
-    return _bench.ModelSpec("elementwise chain", build)
+    return harness.ModelSpec("elementwise chain", build)
 
 
 def test_measure_model_reports_inapplicable_strategy_as_na():
-    results = _bench.measure_model(_elementwise_chain(), repeats=1)
+    results = harness.measure_model(_elementwise_chain(), repeats=1)
     by_label = {r.method.label: r for r in results}
     speed = by_label["memsave_grads 'speed'"]
     assert speed.skipped and speed.peak_bytes is None
     reference = by_label["tf.gradients"]
     assert reference.peak_bytes is not None and reference.peak_bytes > 0
-    table = _bench.benchmark_table([results])
+    table = harness.benchmark_table([results])
     assert "| elementwise chain |" in table
     assert "n/a (checkpoints='speed'" in table
 
 
 def test_measure_model_gradients_match():
-    results = _bench.measure_model(_bench.residual_mlp(depth=6, width=32, batch=8), repeats=1)
-    assert [r.method for r in results] == list(_bench.DEFAULT_METHODS)
+    results = harness.measure_model(harness.residual_mlp(depth=6, width=32, batch=8), repeats=1)
+    assert [r.method for r in results] == list(harness.DEFAULT_METHODS)
     for r in results:
         assert r.skipped is None and r.failed is None
         assert r.max_rel_error is not None and r.max_rel_error < 1e-5
         assert r.graph_ops > 0 and r.median_seconds > 0
-    assert "| memsave_grads 'memory' |" in _bench.demo_table(results)
-    assert _bench.summary_line(results, _bench.MEMORY).startswith("memsave_grads 'memory': ")
+    assert "| memsave_grads 'memory' |" in harness.demo_table(results)
+    assert harness.summary_line(results, harness.MEMORY).startswith("memsave_grads 'memory': ")
 
 
 def test_ratio_formatting():
-    assert _bench.format_peak_ratio(400, 100) == "4.00x less"
-    assert _bench.format_peak_ratio(100, 120) == "1.20x more"
-    assert _bench.format_peak_ratio(100, 100) == "1.00x"
-    assert _bench.format_time_ratio(2.0, 2.6) == "1.30x"
+    assert harness.format_peak_ratio(400, 100) == "4.00x less"
+    assert harness.format_peak_ratio(100, 120) == "1.20x more"
+    assert harness.format_peak_ratio(100, 100) == "1.00x"
+    assert harness.format_time_ratio(2.0, 2.6) == "1.30x"
 
 
 def test_explain_command_prints_a_plan():
@@ -135,8 +135,8 @@ def test_keras_models_build_and_explain():
     """Every Keras model of the benchmark builds in a graph and gets a plan that saves memory."""
     pytest.importorskip("tf_keras")
     import memsave_grads as mg  # pylint: disable=import-outside-toplevel
-    from memsave_grads import _bench_keras  # pylint: disable=import-outside-toplevel
-    for name, build in _bench_keras.KERAS_MODELS.items():
+    from memsave_grads.bench import keras_models  # pylint: disable=import-outside-toplevel
+    for name, build in keras_models.KERAS_MODELS.items():
         with tf.Graph().as_default():  # the benchmark's sizes: nothing runs, graphs only
             loss, variables = build().build()
             report = mg.explain(loss, variables, checkpoints="memory")
@@ -149,6 +149,6 @@ def test_relative_error_ignores_rounding_noise_of_an_exactly_zero_gradient():
     reference = [tf.constant([0.5, -0.25]), tf.constant([5e-12, -3e-12])]
     noisy = [tf.constant([0.5, -0.25]), tf.constant([-4e-12, 6e-12])]
     wrong = [tf.constant([0.5, -0.2]), tf.constant([5e-12, -3e-12])]
-    assert float(_bench._max_relative_error(noisy, reference)) < 1e-4
-    assert float(_bench._max_relative_error(wrong, reference)) == pytest.approx(0.1, rel=1e-3)
-    assert float(_bench._max_relative_error([None, reference[1]], reference)) == float("inf")
+    assert float(harness._max_relative_error(noisy, reference)) < 1e-4
+    assert float(harness._max_relative_error(wrong, reference)) == pytest.approx(0.1, rel=1e-3)
+    assert float(harness._max_relative_error([None, reference[1]], reference)) == float("inf")

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import memsave_grads as mg
-from memsave_grads import _stitch
+from memsave_grads._tf import stitch
 from conftest import assert_grads_close
 
 STRATEGIES = ["memory", "speed"]
@@ -17,14 +17,14 @@ STRATEGIES = ["memory", "speed"]
 def rewrites(monkeypatch):
     """Counts rewrites that copied at least one op (so a test cannot pass by falling back)."""
     calls = []
-    original = _stitch._rewrite.copy_ops
+    original = stitch.rewrite.copy_ops
 
     def spy(ops, *args, **kwargs):
         copies = original(ops, *args, **kwargs)
         calls.append(len(copies))
         return copies
 
-    monkeypatch.setattr(_stitch._rewrite, "copy_ops", spy)
+    monkeypatch.setattr(stitch.rewrite, "copy_ops", spy)
     return calls
 
 

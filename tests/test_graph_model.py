@@ -3,9 +3,9 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memsave_grads import graph as graph_lib
-from memsave_grads import memory_model
-from memsave_grads import planners
+from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import memory_model
+from memsave_grads.core import planners
 
 
 @st.composite

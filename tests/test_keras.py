@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import memsave_grads
 from memsave_grads import api
-from memsave_grads import memory
+from memsave_grads import measure
 from memsave_grads.keras import is_wrapped
 from memsave_grads.keras import train_step
 from memsave_grads.keras import unwrap_model
@@ -23,7 +23,7 @@ import keras as keras3  # noqa: E402  (Keras 3 is TensorFlow 2.21's tf.keras)
 
 KERAS = {"keras2": tf_keras, "keras3": keras3}
 FLAVOURS = pytest.mark.parametrize("flavour", ["keras2", "keras3"])
-MIB = memory.MIB
+MIB = measure.MIB
 
 
 def _clear(keras):
@@ -156,7 +156,7 @@ def _peak_of_train_step(keras, wrapped):
         wrap_model(model)
     x, y, _ = _data("float32", rows=1024, inputs=256)
     model.train_on_batch(x, y)  # traces the step; the first run allocates kernel scratch
-    peak, loss = memory.peak_bytes_of(lambda: model.train_on_batch(x, y))
+    peak, loss = measure.peak_bytes_of(lambda: model.train_on_batch(x, y))
     return peak / MIB, loss
 
 

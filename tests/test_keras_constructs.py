@@ -16,7 +16,7 @@ import tensorflow as tf
 import memsave_grads as mg
 from conftest import assert_grads_close
 from memsave_grads import api
-from memsave_grads import memory
+from memsave_grads import measure
 from memsave_grads.keras import is_wrapped
 from memsave_grads.keras import wrap_model
 
@@ -25,7 +25,7 @@ import keras as keras3  # noqa: E402  (Keras 3 is TensorFlow 2.21's tf.keras)
 
 KERAS = {"keras2": tf_keras, "keras3": keras3}
 FLAVOURS = pytest.mark.parametrize("flavour", ["keras2", "keras3"])
-MIB = memory.MIB
+MIB = measure.MIB
 RECOMPUTE_SCOPE = "_memsave/recompute"  # where the rewrite puts the copies it runs again
 CALL_OP_TYPES = ("PartitionedCall", "StatefulPartitionedCall")
 
@@ -420,7 +420,7 @@ def _convnext_step_peak_mib(keras, wrapped):
     y = rng.randn(8, 3).astype(np.float32)
     initial = model.get_weights()
     model.train_on_batch(x, y)  # traces the step; the first run allocates kernel scratch
-    peak, loss = memory.peak_bytes_of(lambda: model.train_on_batch(x, y))
+    peak, loss = measure.peak_bytes_of(lambda: model.train_on_batch(x, y))
     return peak / MIB, loss, (model.get_weights(), initial,
                               _weight_names(model, model.weights))
 

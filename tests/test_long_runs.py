@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import memsave_grads as mg
-from memsave_grads import memory
+from memsave_grads import measure
 
 STEPS = 500
 BATCH = 32
@@ -80,7 +80,7 @@ def _train(kind, gradients_fn):
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(init)
         for inputs, targets in _batches(kind):
-            peak, (value, _) = memory.peak_bytes_of(
+            peak, (value, _) = measure.peak_bytes_of(
                 lambda: sess.run([loss, train], {x: inputs, labels: targets}))
             losses.append(value)
             peaks.append(peak)

@@ -9,9 +9,9 @@ import pytest
 import tensorflow as tf
 
 import memsave_grads as mg
-from memsave_grads import memory
+from memsave_grads import measure
 
-MIB = memory.MIB
+MIB = measure.MIB
 ROWS, COLS = 256, 1024  # 1 MiB of float32 per activation
 
 
@@ -27,7 +27,7 @@ def _peak_mib(graph, x, grads):
     feed = {x: np.random.RandomState(0).rand(ROWS, COLS).astype(np.float32)}
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(grads, feed)  # warm up: first run allocates kernels' scratch
-        peak, values = memory.peak_bytes_of(lambda: sess.run(grads, feed))
+        peak, values = measure.peak_bytes_of(lambda: sess.run(grads, feed))
     return peak / MIB, values
 
 
@@ -49,10 +49,10 @@ def test_memory_strategy_peak_on_100_node_chain(residual):
 
 def test_without_control_dependencies_nothing_is_saved(monkeypatch):
     """The control inputs on recomputed segments are what delay them (design note "scheduling")."""
-    from memsave_grads import _rewrite
+    from memsave_grads._tf import rewrite
 
-    original = _rewrite.copy_ops
-    monkeypatch.setattr(_rewrite, "copy_ops",
+    original = rewrite.copy_ops
+    monkeypatch.setattr(rewrite, "copy_ops",
                         lambda ops, scope, control_inputs, **kwargs: original(ops, scope, [],
                                                                              **kwargs))
     graph = tf.Graph()
@@ -83,7 +83,7 @@ def test_peak_inside_tf_function(method):
         return tf.gradients(y, x)[0]
 
     step(x)
-    peak, grad = memory.peak_bytes_of(lambda: step(x).numpy())
+    peak, grad = measure.peak_bytes_of(lambda: step(x).numpy())
     peak_mib = peak / MIB
     if method == "memory":
         assert peak_mib <= 30, f"'memory' peaked at {peak_mib:.1f} MiB inside tf.function"
@@ -128,7 +128,7 @@ def test_memory_model_predicts_the_measured_peak():
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(init)
             sess.run(grads, feed)
-            measured, _ = memory.peak_bytes_of(lambda: sess.run(grads, feed))
+            measured, _ = measure.peak_bytes_of(lambda: sess.run(grads, feed))
         results[name] = (predicted / MIB, measured / MIB)
     for name, (predicted, measured) in results.items():
         assert abs(predicted - measured) <= 0.15 * measured, \

@@ -1,7 +1,7 @@
 """The static memory model against schedules worked out by hand."""
 
-from memsave_grads import graph as graph_lib
-from memsave_grads import memory_model
+from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import memory_model
 
 
 def _chain(n, **fields):

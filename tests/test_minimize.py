@@ -10,11 +10,11 @@ import pytest
 import tensorflow as tf
 
 from memsave_grads import errors
-from memsave_grads import memory
-from memsave_grads import _schedule
+from memsave_grads import measure
+from memsave_grads._tf import early_release
 from memsave_grads.optimize import minimize
 
-MIB = memory.MIB
+MIB = measure.MIB
 
 V1_OPTIMIZERS = {
     "sgd": lambda: tf.compat.v1.train.GradientDescentOptimizer(0.05),
@@ -159,7 +159,7 @@ def _wide_peak_mib(build_train_op, opt_name="adam", runs=3):
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             sess.run(train)  # the first step also copies each weight off its initial value
-            return max(memory.peak_bytes_of(lambda: sess.run(train))[0] / MIB
+            return max(measure.peak_bytes_of(lambda: sess.run(train))[0] / MIB
                        for _ in range(runs))
 
 
@@ -176,7 +176,7 @@ def test_one_weight_gradient_alive_at_a_time(opt_name):
 def test_without_ordering_edges_gradients_pile_up(monkeypatch):
     """Dataflow alone runs the backward pass ahead of the updates (design note "early
     release"): the control dependencies are what keeps one gradient alive."""
-    monkeypatch.setattr(_schedule, "order_updates", lambda updates, grad_floor: {
+    monkeypatch.setattr(early_release, "order_updates", lambda updates, grad_floor: {
         "skipped_cycles": 0})
     peak = _wide_peak_mib(lambda loss, ws, opt: minimize(loss, opt, checkpoints=None), "sgd")
     assert peak >= 1.9 * GRAD_MIB, f"expected several live gradients, got {peak:.1f} MiB"

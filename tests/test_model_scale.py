@@ -6,15 +6,15 @@ and a real saving of measured peak memory.
 
 import pytest
 
-from memsave_grads import _bench
+from memsave_grads.bench import harness
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("spec", [_bench.residual_mlp(depth=128, width=512, batch=256),
-                                  _bench.conv_resnet()], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [harness.residual_mlp(depth=128, width=512, batch=256),
+                                  harness.conv_resnet()], ids=lambda s: s.name)
 def test_memory_strategy_at_model_scale(spec):
-    reference, ours = _bench.measure_model(spec, [_bench.REFERENCE, _bench.MEMORY], repeats=1)
+    reference, ours = harness.measure_model(spec, [harness.REFERENCE, harness.MEMORY], repeats=1)
     assert ours.skipped is None and ours.failed is None, (ours.skipped, ours.failed)
     assert ours.max_rel_error <= 1e-4
     assert reference.peak_bytes >= 2.5 * ours.peak_bytes, (reference.peak_bytes, ours.peak_bytes)

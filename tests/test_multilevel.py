@@ -11,17 +11,17 @@ from hypothesis import strategies as st
 
 import memsave_grads as mg
 from conftest import assert_grads_close
-from memsave_grads import _stitch
+from memsave_grads._tf import stitch
 from memsave_grads import api
-from memsave_grads import budgets
-from memsave_grads import graph as graph_lib
-from memsave_grads import memory
-from memsave_grads import memory_model
-from memsave_grads import multilevel
-from memsave_grads import planners
-from memsave_grads import solvers
+from memsave_grads.core import budgets
+from memsave_grads.core import graph as graph_lib
+from memsave_grads import measure
+from memsave_grads.core import memory_model
+from memsave_grads.core import multilevel
+from memsave_grads.core import planners
+from memsave_grads.core import solvers
 
-MIB = memory.MIB
+MIB = measure.MIB
 
 
 # --------------------------------------------------------------------------------------------
@@ -38,10 +38,10 @@ def _nested_gradients(ys, xs, levels):
     assert plan.levels == levels
     region = ctx.region
     with prepared.graph.as_default():
-        grads = _stitch.backprop(
+        grads = stitch.backprop(
             prepared.ys, prepared.xs, prepared.grad_ys, region, {region[i] for i in plan.kept},
             prepared.user_stops, prepared.tf_kwargs, unconnected_zero=False,
-            scope_prefix="test_memsave", nested=_stitch.nested_ops(plan.children, region))
+            scope_prefix="test_memsave", nested=stitch.nested_ops(plan.children, region))
     # A copy at depth d is named after the copy it copies, inside that level's "nested" scope:
     # 1 + 2 + ... + (d - 1) "nested" scopes in its name.
     depth = max((op.name.count("/nested/") for op in prepared.graph.get_operations()), default=0)
@@ -268,7 +268,7 @@ def _measure(checkpoints):
     feed = {x: np.random.RandomState(0).rand(ROWS, COLS).astype(np.float32)}
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(grads, feed)
-        peak, values = memory.peak_bytes_of(lambda: sess.run(grads, feed))
+        peak, values = measure.peak_bytes_of(lambda: sess.run(grads, feed))
     levels = multilevel.NestedPlan(plan.kept, getattr(plan, "nested", {})).levels
     return peak / MIB, values, levels
 
@@ -300,7 +300,7 @@ def test_measured_peak_inside_tf_function():
             return mg.gradients(tf.reduce_sum(h), x, checkpoints=checkpoints)
 
         step(x)
-        peak, values = memory.peak_bytes_of(lambda: step(x)[0].numpy())
+        peak, values = measure.peak_bytes_of(lambda: step(x)[0].numpy())
         results[checkpoints] = (peak / MIB, values)
     (memory_mib, expected), (nested_mib, got) = results.values()
     assert_grads_close([got], [expected], rtol=1e-5)

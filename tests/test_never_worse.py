@@ -12,15 +12,15 @@ from absl import logging
 
 import memsave_grads as mg
 from conftest import assert_grads_close
-from memsave_grads import _select
-from memsave_grads import _tf_graph
-from memsave_grads import graph as graph_lib
-from memsave_grads import memory
-from memsave_grads import memory_model
+from memsave_grads._tf import selection
+from memsave_grads._tf import graph as tf_graph
+from memsave_grads.core import graph as graph_lib
+from memsave_grads import measure
+from memsave_grads.core import memory_model
 
 pytestmark = pytest.mark.never_worse  # tests/conftest.py switches the rule off elsewhere
 
-MIB = memory.MIB
+MIB = measure.MIB
 ROWS, COLS = 256, 1024  # 1 MiB of float32 per activation
 #: What two builds of the same schedule differ by in measured peak: about two activations.
 HEADROOM_MIB = 2.5
@@ -38,7 +38,7 @@ def _wide(branches=12):
     weights = _weights(branches)
     outputs = [tf.tanh(tf.matmul(x, w), name=f"branch{i}") for i, w in enumerate(weights)]
     for t in outputs:
-        tf.compat.v1.add_to_collection(_select.COLLECTION_NAME, t)
+        tf.compat.v1.add_to_collection(selection.COLLECTION_NAME, t)
     return _feed(x), tf.add_n([tf.reduce_sum(t * t) for t in outputs]), weights
 
 
@@ -50,7 +50,7 @@ def _bias_chain(depth=8):
     h = x
     for i, w in enumerate(weights):
         h = tf.tanh(tf.nn.bias_add(tf.matmul(h, w, name=f"matmul{i}"), tf.ones([COLS])))
-        tf.compat.v1.add_to_collection(_select.COLLECTION_NAME, h)
+        tf.compat.v1.add_to_collection(selection.COLLECTION_NAME, h)
     return _feed(x), tf.reduce_sum(h * h), weights
 
 
@@ -65,7 +65,7 @@ def _conv_chain(depth=24, batch=4):
     h = images
     for kernel in kernels:
         h = tf.nn.relu(tf.nn.conv2d(h, kernel, 1, "SAME"))
-        tf.compat.v1.add_to_collection(_select.COLLECTION_NAME, h)
+        tf.compat.v1.add_to_collection(selection.COLLECTION_NAME, h)
     return None, tf.reduce_sum(h * h), kernels
 
 
@@ -87,13 +87,13 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        original = _tf_graph.ORIGINAL_GRADIENTS
+        original = tf_graph.ORIGINAL_GRADIENTS
 
         def spy(ys, xs, *args, **kwargs):
             self.calls.append((ys, xs))
             return original(ys, xs, *args, **kwargs)
 
-        monkeypatch.setattr(_tf_graph, "ORIGINAL_GRADIENTS", spy)
+        monkeypatch.setattr(tf_graph, "ORIGINAL_GRADIENTS", spy)
 
     def called_with(self, ys, xs) -> bool:
         return any(c_ys is ys and c_xs is xs for c_ys, c_xs in self.calls)
@@ -119,7 +119,7 @@ def _median_peaks_mib(graph, grad_lists, feed=None):
             # itself first settle them.
             for _ in range(3):
                 session.run(step, feed)
-            runs = sorted(memory.peak_bytes_of(lambda: session.run(step, feed))[0] / MIB
+            runs = sorted(measure.peak_bytes_of(lambda: session.run(step, feed))[0] / MIB
                           for _ in range(3))
             peaks.append(runs[1])
         values = session.run([[g for g in grads if g is not None] for grads in grad_lists],
@@ -139,7 +139,7 @@ def test_no_strategy_raises_the_peak_where_nothing_helps(builder, strategy, monk
     graph = tf.Graph()
     with graph.as_default():
         feed, loss, weights = builder()
-        theirs = _tf_graph.ORIGINAL_GRADIENTS(loss, weights)
+        theirs = tf_graph.ORIGINAL_GRADIENTS(loss, weights)
         spy = _Spy(monkeypatch)
         ours = mg.gradients(loss, weights, checkpoints=strategy)
     assert spy.called_with(loss, weights), spy.calls
@@ -158,7 +158,7 @@ def test_where_scratch_dominates_the_schedule_is_plain(strategy, monkeypatch):
     graph = tf.Graph()
     with graph.as_default():
         feed, loss, kernels = _conv_chain()
-        theirs = _tf_graph.ORIGINAL_GRADIENTS(loss, kernels)
+        theirs = tf_graph.ORIGINAL_GRADIENTS(loss, kernels)
         spy = _Spy(monkeypatch)
         ours = mg.gradients(loss, kernels, checkpoints=strategy)
         init = tf.compat.v1.global_variables_initializer()
@@ -202,7 +202,7 @@ def test_where_the_plan_helps_the_rewrite_still_happens(monkeypatch):
     graph = tf.Graph()
     with graph.as_default():
         feed, loss, xs = _deep_chain()
-        theirs = _tf_graph.ORIGINAL_GRADIENTS(loss, xs)
+        theirs = tf_graph.ORIGINAL_GRADIENTS(loss, xs)
         report = mg.explain(loss, xs, checkpoints="memory")
         spy = _Spy(monkeypatch)
         ours = mg.gradients(loss, xs, checkpoints="memory")
@@ -214,7 +214,7 @@ def test_where_the_plan_helps_the_rewrite_still_happens(monkeypatch):
 
 
 def test_switched_off_the_rule_rewrites_anyway(monkeypatch):
-    monkeypatch.setattr(_select, "NEVER_WORSE_RULE", False)
+    monkeypatch.setattr(selection, "NEVER_WORSE_RULE", False)
     graph = tf.Graph()
     with graph.as_default():
         _, loss, weights = _wide(branches=4)
@@ -289,7 +289,7 @@ def test_conv_filter_gradient_scratch_does_not_grow_with_the_batch():
         with tf.compat.v1.Session(graph=graph) as session:
             session.run(init)
             session.run(step)
-            measured, _ = memory.peak_bytes_of(lambda: session.run(step))
+            measured, _ = measure.peak_bytes_of(lambda: session.run(step))
         assert without < MIB and request <= measured <= 2 * request + MIB, \
             (batch, without / MIB, measured / MIB)
         assert request <= predicted <= measured + MIB, (batch, predicted / MIB, measured / MIB)
@@ -314,13 +314,13 @@ def test_small_batch_keras_applications_are_never_worse(application, monkeypatch
     SGD step, 2 inter-op threads): "speed" 1.07x/1.11x/1.47x tf.gradients' peak, "memory" 1.04x
     on InceptionResNetV2; measured here on one inter-op thread, gradients reduced: "speed"
     0.97x/1.01x/1.02x, "memory" 0.95x/1.03x/1.02x, all within the allocator's slack."""
-    from memsave_grads import _bench_keras
+    from memsave_grads.bench import keras_models
 
     graph = tf.Graph()
     with graph.as_default():
-        loss, weights = _bench_keras._application(  # pylint: disable=protected-access
+        loss, weights = keras_models._application(  # pylint: disable=protected-access
             application, application, batch=1, image=96).build()
-        theirs = _tf_graph.ORIGINAL_GRADIENTS(loss, weights)
+        theirs = tf_graph.ORIGINAL_GRADIENTS(loss, weights)
         reports = {s: mg.explain(loss, weights, checkpoints=s) for s in ("speed", "memory")}
         spy = _Spy(monkeypatch)
         ours = {s: mg.gradients(loss, weights, checkpoints=s) for s in reports}
@@ -335,12 +335,12 @@ def test_small_batch_keras_applications_are_never_worse(application, monkeypatch
 
 @pytest.mark.slow
 def test_a_larger_batch_is_still_recomputed():
-    from memsave_grads import _bench_keras
+    from memsave_grads.bench import keras_models
 
     graph = tf.Graph()
     with graph.as_default():
-        loss, weights = _bench_keras.resnet50(batch=4, image=128).build()
-        theirs = _tf_graph.ORIGINAL_GRADIENTS(loss, weights)
+        loss, weights = keras_models.resnet50(batch=4, image=128).build()
+        theirs = tf_graph.ORIGINAL_GRADIENTS(loss, weights)
         report = mg.explain(loss, weights, checkpoints="memory")
         ours = mg.gradients(loss, weights, checkpoints="memory")
     assert report.rewrite and _has_copies(graph), str(report)

@@ -29,13 +29,13 @@ def test_routes_tf_gradients_and_compat_v1(graph, spy):
         tf.compat.v1.gradients(loss, w)
     assert spy == ["memory", "memory"]
     assert not mg.is_patched()
-    assert tf.gradients.__module__ != "memsave_grads.patch"
+    assert tf.gradients.__module__ != "memsave_grads.patching"
 
 
 def test_unpatch_restores_every_name_exactly(graph):
     import sys as _sys
-    from memsave_grads import _tf_graph
-    originals = (_tf_graph.ORIGINAL_GRADIENTS, _tf_graph.ORIGINAL_GRADIENTS_V2)
+    from memsave_grads._tf import graph as tf_graph
+    originals = (tf_graph.ORIGINAL_GRADIENTS, tf_graph.ORIGINAL_GRADIENTS_V2)
     holders = {(name, attr, value) for name, mod in list(_sys.modules.items())
                if mod is not None and not name.startswith("memsave_grads")
                for attr, value in list(getattr(mod, "__dict__", {}).items())

@@ -12,8 +12,8 @@ import tensorflow as tf
 
 import memsave_grads as mg
 from conftest import assert_grads_close
-from memsave_grads import memory
-from memsave_grads.recompute import recompute
+from memsave_grads import measure
+from memsave_grads.recomputation import recompute
 
 B, D, H = 4, 3, 5
 
@@ -160,13 +160,13 @@ def test_lstm_t1000_peak_is_lower():
             with tf.compat.v1.Session(graph=graph) as sess:
                 sess.run(tf.compat.v1.global_variables_initializer())
                 sess.run(grads)
-                return memory.peak_bytes_of(lambda: sess.run(grads))[0]
+                return measure.peak_bytes_of(lambda: sess.run(grads))[0]
 
     plain, ours = peak(_plain), peak(recompute)
     # Per step, the plain loop stores ~10 [batch, units] tensors (gates, their activations,
     # c, tanh(c)); recompute stores x_t, h and c. 300 steps x 8 KiB x 10 = 23 MiB.
-    assert plain >= 15 * memory.MIB, plain / memory.MIB
-    assert ours <= 0.5 * plain, (ours / memory.MIB, plain / memory.MIB)
+    assert plain >= 15 * measure.MIB, plain / measure.MIB
+    assert ours <= 0.5 * plain, (ours / measure.MIB, plain / measure.MIB)
 
 
 @pytest.mark.parametrize("layer", ["LSTM", "GRU", "SimpleRNN"])

@@ -125,9 +125,9 @@ def test_sparse_stays_sparse_and_mixed_is_densified(graph, session):
 
 
 def test_sparse_partial_without_dense_shape_meeting_dense_is_an_error():
-    from memsave_grads import _stitch
+    from memsave_grads._tf import stitch
     with tf.Graph().as_default():
         t = tf.zeros([4, 2], name="t")
         sparse = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]))  # no dense_shape
         with pytest.raises(mg.SparseGradientError, match="no dense_shape"):
-            _stitch.aggregate([sparse, tf.ones([4, 2])], t)
+            stitch.aggregate([sparse, tf.ones([4, 2])], t)

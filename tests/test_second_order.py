@@ -25,10 +25,10 @@ import tensorflow as tf
 
 import memsave_grads as mg
 from conftest import assert_grads_close
-from memsave_grads import _stitch
+from memsave_grads._tf import stitch
 from memsave_grads import api
-from memsave_grads import budgets
-from memsave_grads import multilevel
+from memsave_grads.core import budgets
+from memsave_grads.core import multilevel
 
 DTYPE = tf.float64
 RTOL = {tf.float64: 1e-10, tf.float32: 1e-5}
@@ -141,11 +141,11 @@ def _forced_nested_gradients(ys, xs, name):
     candidates, must_keep, not_replayed = ctx.node_sets()
     plan = multilevel.balanced_plan(ctx.model, must_keep, candidates, 2, not_replayed)
     assert plan.levels == 2, f"{name}: no 2-level plan on {len(ctx.region)} ops"
-    return _stitch.backprop(
+    return stitch.backprop(
         prepared.ys, prepared.xs, prepared.grad_ys, ctx.region,
         {ctx.region[i] for i in plan.kept}, prepared.user_stops, prepared.tf_kwargs,
         unconnected_zero=False, scope_prefix=f"{name}_memsave",
-        nested=_stitch.nested_ops(plan.children, ctx.region))
+        nested=stitch.nested_ops(plan.children, ctx.region))
 
 
 def _checkpoints(strategy, ys, xs, interior):
@@ -204,10 +204,10 @@ def _gradients_fn(use_mg: bool, strategy=None, interior=()):
 
 @pytest.fixture
 def backprop_calls(monkeypatch):
-    """Spy on ``_stitch.backprop`` (the patched paths): one entry per call, the forward ops it
+    """Spy on ``stitch.backprop`` (the patched paths): one entry per call, the forward ops it
     copied; nested levels recurse through it and count as calls of their own."""
     calls = []
-    original = _stitch.backprop
+    original = stitch.backprop
 
     def spy(ys, *args, **kwargs):
         graph = _graph_of(ys)
@@ -216,7 +216,7 @@ def backprop_calls(monkeypatch):
         calls.append(_copies_since(graph, start))
         return result
 
-    monkeypatch.setattr(_stitch, "backprop", spy)
+    monkeypatch.setattr(stitch, "backprop", spy)
     return calls
 
 

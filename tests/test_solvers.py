@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from memsave_grads import budgets
+from memsave_grads.core import budgets
 from memsave_grads import errors
-from memsave_grads import graph as graph_lib
-from memsave_grads import memory_model
-from memsave_grads import planners
-from memsave_grads import solvers
+from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import memory_model
+from memsave_grads.core import planners
+from memsave_grads.core import solvers
 
 
 def _random_graph(rng: random.Random, n: int) -> graph_lib.ForwardGraph:

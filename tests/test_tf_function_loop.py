@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import memsave_grads as mg
-from memsave_grads import memory
+from memsave_grads import measure
 
 ROWS, WIDTH, DEPTH = 1024, 256, 48  # 1 MiB per activation, 0.25 MiB per weight
 
@@ -49,7 +49,7 @@ def test_recipe_trains_like_gradient_tape_with_a_lower_peak(optimizer_name):
     for method in ("GradientTape", "memory"):
         step, weights = _make_step(method, optimizer_name)
         step(data[0])  # trace; the first call also creates the optimizer's slots
-        peak = memory.peak_bytes_of(lambda: step(data[1]).numpy())[0]
+        peak = measure.peak_bytes_of(lambda: step(data[1]).numpy())[0]
         losses = [float(step(x)) for x in data[2:]]
         results[method] = (peak, losses, [w.numpy() for w in weights])
     tape_peak, tape_losses, tape_weights = results["GradientTape"]
@@ -59,5 +59,5 @@ def test_recipe_trains_like_gradient_tape_with_a_lower_peak(optimizer_name):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # 48 blocks keep ~2 activations each under GradientTape (96 MiB); "memory" keeps ~sqrt(48)
     # of them. The 12 MiB of weight gradients are alive in both until the optimizer runs.
-    assert tape_peak >= 80 * memory.MIB, tape_peak / memory.MIB
-    assert peak <= 0.5 * tape_peak, (peak / memory.MIB, tape_peak / memory.MIB)
+    assert tape_peak >= 80 * measure.MIB, tape_peak / measure.MIB
+    assert peak <= 0.5 * tape_peak, (peak / measure.MIB, tape_peak / measure.MIB)

@@ -12,7 +12,7 @@ strategy (a traced function cannot be extended later; random ops carry op seeds)
 ``None``-ness, ``IndexedSlices``-ness, dtype, values (``conftest.assert_grads_close``; float64
 at rtol 1e-10) and, where the scenario asks, each gradient op's ``colocation_groups()``. Where
 the reference raises, the patched call must raise the same exception type. A spy on
-``api.gradients`` and ``_stitch.backprop`` records whether each call rewrote the graph or fell
+``api.gradients`` and ``stitch.backprop`` records whether each call rewrote the graph or fell
 back to ``tf.gradients``.
 
 Modes change global TensorFlow state, so each runs in its own process::
@@ -974,15 +974,15 @@ def set_up_mode(mode: str) -> None:
 
 class CallLog:
     """Spies on memsave_grads: every call a patched tf.gradients makes into ``api.gradients``,
-    and whether it reached the rewrite (``_stitch.backprop``) or fell back."""
+    and whether it reached the rewrite (``stitch.backprop``) or fell back."""
 
     def __init__(self):
-        from memsave_grads import _stitch  # pylint: disable=import-outside-toplevel
+        from memsave_grads._tf import stitch  # pylint: disable=import-outside-toplevel
         from memsave_grads import api  # pylint: disable=import-outside-toplevel
         from memsave_grads import errors  # pylint: disable=import-outside-toplevel
         self.events: list[dict] = []
         self.backprop_calls = 0
-        real_gradients, real_backprop = api.gradients, _stitch.backprop
+        real_gradients, real_backprop = api.gradients, stitch.backprop
         fallback_errors = errors.FALLBACK_ERRORS
         log = self
 
@@ -1007,7 +1007,7 @@ class CallLog:
             return real_backprop(*args, **kwargs)
 
         api.gradients = gradients_spy
-        _stitch.backprop = backprop_spy
+        stitch.backprop = backprop_spy
 
     def take(self) -> list[dict]:
         events, self.events = self.events, []
@@ -1372,11 +1372,11 @@ def run_mode(mode: str, out_path: str, only: list[str] | None = None) -> None:
     """Run every scenario of ``mode``; one JSON line per record, flushed per scenario so that a
     crash loses only what was not evaluated yet."""
     from absl import logging  # pylint: disable=import-outside-toplevel
-    from memsave_grads import _select  # pylint: disable=import-outside-toplevel
+    from memsave_grads._tf import selection  # pylint: disable=import-outside-toplevel
     set_up_mode(mode)
     # The scenarios are small: the never-worse rule would hand most of them to plain
     # tf.gradients, and the suite is about the rewrite's semantics (tests/conftest.py).
-    _select.NEVER_WORSE_RULE = False
+    selection.NEVER_WORSE_RULE = False
     logging.set_verbosity(logging.ERROR)  # the fallback warnings are counted, not shown
     tf.get_logger().setLevel("ERROR")
     call_log = CallLog()

@@ -1,6 +1,6 @@
 """Whole-graph checkpoint selection: graph model in, kept nodes out.
 
-Every planner has the same contract: it takes a :class:`~memsave_grads.graph.ForwardGraph`, the
+Every planner has the same contract: it takes a :class:`~memsave_grads.core.graph.ForwardGraph`, the
 nodes that must be kept anyway (stateful ops, intermediate ``xs``) and the candidate nodes, and
 returns the nodes to keep as checkpoints. Planners never touch TensorFlow.
 """
@@ -12,8 +12,8 @@ from typing import Iterable, Sequence
 
 from absl import logging
 
-from memsave_grads import graph as graph_lib
-from memsave_grads import memory_model
+from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import memory_model
 
 # --------------------------------------------------------------------------------------------
 # Frontier cuts: the "memory" planner for any DAG
@@ -172,7 +172,7 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     lowest predicted peak wins, and among plans of (nearly) equal peak the one that recomputes
     least. Returns ``None`` when no position can be cut (every frontier holds a non-candidate,
     or the graph has a single op). A plan that predicts no saving is still returned and logged;
-    whether to run it is the never-worse rule's call (``_select.decide_schedule``).
+    whether to run it is the never-worse rule's call (``selection.decide_schedule``).
     """
     not_replayed = set(not_replayed)
     search = CutSearch(graph, must_keep, candidates)
@@ -211,7 +211,7 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     best_peak = min(p.predicted_peak_bytes for p in plans)
     if best_peak >= plain_peak:
         # Returned all the same: explain() reports it, and gradients() keeps tf.gradients'
-        # schedule for it (_select.decide_schedule, docs/design.md note "never worse").
+        # schedule for it (selection.decide_schedule, docs/design.md note "never worse").
         logging.info("memsave_grads: no plan of %d nodes predicts a lower peak than "
                      "tf.gradients (%d bytes)", n, plain_peak)
     equal = [p for p in plans if p.predicted_peak_bytes <= EQUAL_PEAK_FACTOR * best_peak]

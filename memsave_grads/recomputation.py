@@ -33,8 +33,8 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.framework import func_graph as func_graph_lib
 
-from memsave_grads import _rewrite
-from memsave_grads import _tf_graph
+from memsave_grads._tf import rewrite
+from memsave_grads._tf import graph as tf_graph
 from memsave_grads import errors
 
 _call_counter = itertools.count()
@@ -129,11 +129,11 @@ def _plan(forward_ops, inputs, outputs, fn_name) -> _Plan:
         if op in needed:
             continue
         needed.add(op)
-        if not _tf_graph.is_replayable(op):
+        if not tf_graph.is_replayable(op):
             continue  # kept: its outputs are read from the forward pass
         stack.extend(t.op for t in op.inputs if t.op in own)
         stack.extend(c for c in op.control_inputs if c in own)
-    kept = {op for op in needed if not _tf_graph.is_replayable(op)}
+    kept = {op for op in needed if not tf_graph.is_replayable(op)}
     _check_kept(kept, own, inputs, fn_name)
     replayed = [op for op in forward_ops if op in needed and op not in kept]
     kept_reads = [op.outputs[0] for op in forward_ops
@@ -158,7 +158,7 @@ def _check_kept(kept, own, inputs, fn_name) -> None:
 
     for op in kept:
         for t in op.inputs:
-            if _tf_graph.carries_gradients(t) and t.dtype != tf.resource and from_inputs(t):
+            if tf_graph.carries_gradients(t) and t.dtype != tf.resource and from_inputs(t):
                 raise errors.UnsupportedGraphError(
                     f"recompute({fn_name}): the stateful op {op.name!r} ({op.type}) reads "
                     f"{t.name!r}, which is computed from the function's inputs. Stateful ops "
@@ -178,7 +178,7 @@ def _backward(plan: _Plan, inputs, outputs, output_grads, variables, scope):
             local_reads = [tf.identity(t) for t in plan.kept_reads]
         replacements = {t.ref(): local for t, local in zip(inputs, local_inputs)}
         replacements.update({t.ref(): local for t, local in zip(plan.kept_reads, local_reads)})
-        copies = _rewrite.copy_ops(plan.replayed, "replay", control_inputs=[g.op for g in live],
+        copies = rewrite.copy_ops(plan.replayed, "replay", control_inputs=[g.op for g in live],
                                    replacements=replacements, graph=graph)
         replayed_outputs = [copies[t.op].outputs[t.value_index] if t.op in copies
                             else replacements.get(t.ref(), t) for t in outputs]
@@ -196,7 +196,7 @@ def _backward(plan: _Plan, inputs, outputs, output_grads, variables, scope):
 
 
 def _differentiable(t) -> bool:
-    return isinstance(t, tf.Tensor) and _tf_graph.carries_gradients(t) and t.dtype != tf.resource
+    return isinstance(t, tf.Tensor) and tf_graph.carries_gradients(t) and t.dtype != tf.resource
 
 
 def _variable_grads(variables, reads, read_grads):
@@ -215,7 +215,7 @@ def _variable_grads(variables, reads, read_grads):
 def _outermost(handle, captured_by: dict):
     """Follow a captured placeholder out through nested function graphs (a while body inside a
     tf.function) to the tensor it stands for: a variable's own handle."""
-    while not _tf_graph.is_eager_tensor(handle) and isinstance(handle.graph,
+    while not tf_graph.is_eager_tensor(handle) and isinstance(handle.graph,
                                                                func_graph_lib.FuncGraph):
         graph = handle.graph
         if graph not in captured_by:
@@ -230,5 +230,5 @@ def _outermost(handle, captured_by: dict):
 def _same_tensor(a, b) -> bool:
     if a is b:
         return True
-    eager = _tf_graph.is_eager_tensor
+    eager = tf_graph.is_eager_tensor
     return not eager(a) and not eager(b) and a.graph is b.graph and a.name == b.name

@@ -1,7 +1,7 @@
 """Order variable updates into the backward pass so that each gradient dies early.
 
 Used by :func:`memsave_grads.optimize.minimize` (design note "early release" in
-docs/design.md). Like ``_rewrite.py`` it adds control inputs to operations, which is private
+docs/design.md). Like ``rewrite.py`` it adds control inputs to operations, which is private
 TensorFlow API (``Operation._add_control_inputs``, ``Operation._id``); it only ever adds them to
 operations created by the current ``minimize`` call, never to the user's forward graph.
 """

@@ -13,15 +13,15 @@ from typing import Callable, Sequence
 import tensorflow as tf
 from absl import logging
 
-from memsave_grads import _tf_graph
-from memsave_grads import budgets
+from memsave_grads._tf import graph as tf_graph
+from memsave_grads.core import budgets
 from memsave_grads import errors
-from memsave_grads import graph as graph_lib
-from memsave_grads import memory_model
-from memsave_grads import multilevel
-from memsave_grads import planners
-from memsave_grads import policies
-from memsave_grads import solvers
+from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import memory_model
+from memsave_grads.core import multilevel
+from memsave_grads.core import planners
+from memsave_grads.core import policies
+from memsave_grads.core import solvers
 
 COLLECTION_NAME = "checkpoints"
 
@@ -44,7 +44,7 @@ class SelectionContext:
     @property
     def model(self) -> graph_lib.ForwardGraph:
         if self._model is None:
-            self._model = _tf_graph.to_forward_graph(self.region, self.xs, self.ys)
+            self._model = tf_graph.to_forward_graph(self.region, self.xs, self.ys)
         return self._model
 
     @property
@@ -77,7 +77,7 @@ class SelectionContext:
         excluded = {index[op] for op in self.endpoint_ops if op in index}
         candidates = [i for i in range(len(self.region)) if i not in excluded]
         must_keep = [index[op] for op in self.must_keep if op in index]
-        not_replayed = [i for i in must_keep if not _tf_graph.is_replayable(self.region[i])]
+        not_replayed = [i for i in must_keep if not tf_graph.is_replayable(self.region[i])]
         return candidates, must_keep, not_replayed
 
     @property
@@ -125,7 +125,7 @@ def select_collection(ctx: SelectionContext) -> set[tf.Operation]:
 
 def select_speed(ctx: SelectionContext) -> set[tf.Operation]:
     """Outputs of expensive ops (matmul, convolution, einsum), chosen by op type."""
-    chosen = {op for op in ctx.region if _tf_graph.is_expensive(op)}
+    chosen = {op for op in ctx.region if tf_graph.is_expensive(op)}
     chosen -= ctx.endpoint_ops
     if not chosen:
         raise _no_checkpoints(
@@ -208,11 +208,11 @@ def select_explicit(ctx: SelectionContext, items: Sequence) -> set[tf.Operation]
                     f"tensor instead of a pattern.")
             chosen |= matched
             continue
-        if _tf_graph.is_resource_variable(item) or not isinstance(item, tf.Tensor):
+        if tf_graph.is_resource_variable(item) or not isinstance(item, tf.Tensor):
             raise errors.InvalidTypeError(
                 f"{where}: expected a tf.Tensor of the forward pass or a name pattern (str), "
                 f"got {type(item).__name__}: {_describe(item)}. Pass the activation tensor.")
-        if _tf_graph.is_eager_tensor(item):
+        if tf_graph.is_eager_tensor(item):
             raise errors.InvalidTypeError(
                 f"{where}: got an eager tensor (a value, not part of a graph). Pass the graph "
                 "tensor built in the same graph or tf.function as ys.")
@@ -321,7 +321,7 @@ def _predicted_peaks(ctx: SelectionContext, kept: set[tf.Operation],
         model = dataclasses.replace(model, param_bytes=())
     index = {op: i for i, op in enumerate(ctx.region)}
     nodes = {index[op] for op in kept if op in index}
-    not_replayed = {i for i in nodes if not _tf_graph.is_replayable(ctx.region[i])}
+    not_replayed = {i for i in nodes if not tf_graph.is_replayable(ctx.region[i])}
     nested = getattr(ctx.plan, "nested", None)
     if nested:  # the multi-level replay takes no scratch: bound it by the largest step's
         plan = multilevel.replay(model, multilevel.NestedPlan(frozenset(nodes), nested),
@@ -403,7 +403,7 @@ def forced_keep(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor]) -> set[
     x_refs = {x.ref() for x in xs}
     keep = set()
     for op in region:
-        if _tf_graph.uses_v1_control_flow(op):
+        if tf_graph.uses_v1_control_flow(op):
             raise errors.UnsupportedGraphError(
                 f"The forward op {op.name!r} ({op.type}) uses TF1 control flow "
                 "(tf.compat.v1.disable_control_flow_v2 or disable_v2_behavior was called). "
@@ -412,7 +412,7 @@ def forced_keep(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor]) -> set[
                 "tf.gradients for this graph.")
         if any(t.ref() in x_refs for t in op.outputs):
             keep.add(op)
-        if not _tf_graph.is_replayable(op):
+        if not tf_graph.is_replayable(op):
             keep.add(op)
             keep.update(t.op for t in op.inputs if t.op in region_set)
     return keep

@@ -37,7 +37,7 @@ import collections
 import dataclasses
 from typing import Iterable, Sequence
 
-from memsave_grads import graph as graph_lib
+from memsave_grads.core import graph as graph_lib
 
 
 #: Bytes per variable byte at the backward step of the op that reads the variable: its
@@ -70,7 +70,7 @@ class _Ledger:
 
 @dataclasses.dataclass(frozen=True)
 class Segments:
-    """How a kept set cuts the graph (mirrors ``_stitch.backprop``).
+    """How a kept set cuts the graph (mirrors ``stitch.backprop``).
 
     Attributes:
       top: nodes of the top segment (not recomputed), in topological order.

@@ -23,8 +23,8 @@ from typing import Iterable, Sequence
 import tensorflow as tf
 from absl import logging
 
-from memsave_grads import _rewrite
-from memsave_grads import _tf_graph
+from memsave_grads._tf import rewrite
+from memsave_grads._tf import graph as tf_graph
 from memsave_grads import errors
 
 
@@ -76,7 +76,7 @@ def _add_per_device(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
         by_device[t.device or ""].append(t)
     sums = []
     for device in sorted(by_device):
-        with _tf_graph.colocated_with(by_device[device][0].op):
+        with tf_graph.colocated_with(by_device[device][0].op):
             sums.append(tf.add_n(by_device[device]))
     return sums[0] if len(sums) == 1 else tf.add_n(sums)
 
@@ -145,7 +145,7 @@ class _Backprop:
         if not targets or not sources:
             return
         readers = list(sources) if readers is None else readers
-        grads = _tf_graph.gradients_stopped_at(
+        grads = tf_graph.gradients_stopped_at(
             targets, readers, target_grads, list(readers) + list(user_stops), **tf_kwargs)
         for t, g in zip(sources, grads):
             if g is not None:
@@ -189,7 +189,7 @@ def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence
     level = {op: 1 for op in state.kept if op in state.region_set}
     segments: dict[tf.Operation, list[tf.Operation]] = {}
     for op in sorted(level, key=lambda o: o._id, reverse=True):  # pylint: disable=protected-access
-        replayable = _tf_graph.is_replayable(op)
+        replayable = tf_graph.is_replayable(op)
         segments[op] = state.segment([op]) if replayable else [op]
         for t in state.sources(segments[op]):
             if t.op in level and t.op is not op:
@@ -197,7 +197,7 @@ def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence
 
     # Original (uncopied) ops that read only external xs, such as variable reads, feed nothing
     # but xs: one call at the very end does them all (design note "levels").
-    deferred = [op for op in level if not _tf_graph.is_replayable(op)
+    deferred = [op for op in level if not tf_graph.is_replayable(op)
                 and all(state.is_external_x(t) for t in state.sources([op]))]
     by_level = collections.defaultdict(list)
     for op, lvl in level.items():
@@ -215,7 +215,7 @@ def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence
                 active.append((op, ds))
         if not active:
             continue
-        replayed = [op for op, _ in active if _tf_graph.is_replayable(op)]
+        replayed = [op for op, _ in active if tf_graph.is_replayable(op)]
         to_copy = sorted({s for op in replayed for s in segments[op]},
                          key=lambda o: o._id)  # pylint: disable=protected-access
         scope = f"{scope_prefix}/recompute_level{lvl}"
@@ -230,7 +230,7 @@ def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence
                 with t.graph.colocate_with(t.op):
                     boundaries[t.ref()] = tf.identity(t)
         control = [c for _, ds in active for d in ds if d is not None for c in _gradient_ops(d)]
-        copies = _rewrite.copy_ops(to_copy, scope, control, replacements=boundaries)
+        copies = rewrite.copy_ops(to_copy, scope, control, replacements=boundaries)
         targets, target_grads = [], []
         for op, ds in active:
             produced = copies.get(op, op)

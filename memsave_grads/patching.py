@@ -16,7 +16,7 @@ import threading
 import tensorflow as tf
 from absl import logging
 
-from memsave_grads import _tf_graph
+from memsave_grads._tf import graph as tf_graph
 from memsave_grads import api
 from memsave_grads import errors
 
@@ -26,7 +26,7 @@ _active = None  # the live _Patch, if any
 
 def original_gradients(*args, **kwargs):
     """The unpatched ``tf.gradients``, whatever the patch state."""
-    return _tf_graph.ORIGINAL_GRADIENTS(*args, **kwargs)
+    return tf_graph.ORIGINAL_GRADIENTS(*args, **kwargs)
 
 
 def is_patched() -> bool:
@@ -41,13 +41,13 @@ class _Patch:
         self.fallback = fallback
         self.replaced: list[tuple[object, str, object]] = []  # (module, attribute, original)
         # (original, wrapper) pairs, compared by identity: module attributes can be unhashable.
-        self.wrappers = [(_tf_graph.ORIGINAL_GRADIENTS, self._make_v1_wrapper()),
-                         (_tf_graph.ORIGINAL_GRADIENTS_V2, self._make_v2_wrapper())]
+        self.wrappers = [(tf_graph.ORIGINAL_GRADIENTS, self._make_v1_wrapper()),
+                         (tf_graph.ORIGINAL_GRADIENTS_V2, self._make_v2_wrapper())]
 
     def call(self, ys, xs, grad_ys, kwargs):
         """What every patched name does: memsave_grads, or the original where it must."""
         if _active is not self:  # a stale reference kept past unpatch()
-            return _tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **kwargs)
+            return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **kwargs)
         return api.gradients_or_fallback(ys, xs, grad_ys, self.checkpoints, self.fallback,
                                          "memsave_grads", **kwargs)
 
@@ -61,7 +61,7 @@ class _Patch:
                 gate_gradients=gate_gradients, aggregation_method=aggregation_method,
                 stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients))
 
-        gradients.__wrapped__ = _tf_graph.ORIGINAL_GRADIENTS
+        gradients.__wrapped__ = tf_graph.ORIGINAL_GRADIENTS
         gradients.__doc__ = f"tf.compat.v1.gradients via memsave_grads ({self.checkpoints!r})."
         return gradients
 
@@ -74,7 +74,7 @@ class _Patch:
                 name=name, gate_gradients=gate_gradients, aggregation_method=aggregation_method,
                 stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients))
 
-        gradients_v2.__wrapped__ = _tf_graph.ORIGINAL_GRADIENTS_V2
+        gradients_v2.__wrapped__ = tf_graph.ORIGINAL_GRADIENTS_V2
         gradients_v2.__doc__ = f"tf.gradients via memsave_grads ({self.checkpoints!r})."
         return gradients_v2
 

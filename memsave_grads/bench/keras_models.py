@@ -1,6 +1,6 @@
 """Keras 2 (``tf_keras``) models for the model-scale benchmark, built in a ``tf.Graph``.
 
-Every builder returns a :class:`memsave_grads._bench.ModelSpec` whose ``build()`` creates the
+Every builder returns a :class:`memsave_grads.bench.harness.ModelSpec` whose ``build()`` creates the
 model with ``weights=None`` inside the current graph, runs it once in training mode (batch norm
 uses batch statistics) on fixed random inputs held in non-trainable variables, and returns a
 softmax cross-entropy loss and the trainable variables. Batch-norm moving-average updates are
@@ -17,7 +17,7 @@ from typing import Callable
 
 import tensorflow as tf
 
-from memsave_grads import _bench
+from memsave_grads.bench import harness
 
 
 def _keras():
@@ -46,35 +46,35 @@ def _classification_loss(logits: tf.Tensor, batch: int, classes: int, seed: int)
 
 
 def _application(name: str, constructor: str, batch: int, image: int, classes: int = 10,
-                 seed: int = 0) -> _bench.ModelSpec:
+                 seed: int = 0) -> harness.ModelSpec:
     def build():
         keras = _keras()
-        images = _bench.make_input([batch, image, image, 3], seed, "images")
+        images = harness.make_input([batch, image, image, 3], seed, "images")
         model = getattr(keras.applications, constructor)(
             weights=None, input_shape=(image, image, 3), classes=classes,
             classifier_activation=None)
         return _train_classifier(model, images, batch, classes, seed)
 
-    return _bench.ModelSpec(
+    return harness.ModelSpec(
         f"{name} b={batch} {image}x{image}", build,
         f"tf_keras.applications.{constructor}(weights=None), {image}x{image} images, "
         f"batch {batch}, training mode")
 
 
-def resnet50(batch: int = 8, image: int = 128) -> _bench.ModelSpec:
+def resnet50(batch: int = 8, image: int = 128) -> harness.ModelSpec:
     return _application("ResNet50", "ResNet50", batch, image)
 
 
-def densenet121(batch: int = 8, image: int = 128) -> _bench.ModelSpec:
+def densenet121(batch: int = 8, image: int = 128) -> harness.ModelSpec:
     return _application("DenseNet121", "DenseNet121", batch, image)
 
 
-def mobilenet_v2(batch: int = 8, image: int = 128) -> _bench.ModelSpec:
+def mobilenet_v2(batch: int = 8, image: int = 128) -> harness.ModelSpec:
     return _application("MobileNetV2", "MobileNetV2", batch, image)
 
 
 def unet(batch: int = 4, image: int = 128, base_filters: int = 32, depth: int = 4,
-         classes: int = 4, seed: int = 0) -> _bench.ModelSpec:
+         classes: int = 4, seed: int = 0) -> harness.ModelSpec:
     """The U-Net of Ronneberger et al. (2015), scaled down: long skip connections from every
     encoder level to the decoder level of the same resolution (no single tensor separates them).
     """
@@ -105,7 +105,7 @@ def unet(batch: int = 4, image: int = 128, base_filters: int = 32, depth: int = 
         outputs = layers.Conv2D(classes, 1, name="head")(x)
         model = keras.Model(inputs, outputs, name="unet")
 
-        images = _bench.make_input([batch, image, image, 3], seed, "images")
+        images = harness.make_input([batch, image, image, 3], seed, "images")
         logits = model(tf.convert_to_tensor(images), training=True)
         labels = tf.Variable(
             tf.random.stateless_uniform([batch, image, image], seed=[seed, 2], maxval=classes,
@@ -115,7 +115,7 @@ def unet(batch: int = 4, image: int = 128, base_filters: int = 32, depth: int = 
             name="loss")
         return loss, list(model.trainable_weights)
 
-    return _bench.ModelSpec(
+    return harness.ModelSpec(
         f"U-Net depth={depth} b={batch} {image}x{image}", build,
         f"U-Net: {depth} levels, {base_filters}..{base_filters * 2 ** depth} filters, "
         f"{image}x{image} images, batch {batch}, per-pixel softmax loss")
@@ -123,7 +123,7 @@ def unet(batch: int = 4, image: int = 128, base_filters: int = 32, depth: int = 
 
 def transformer(layers_count: int = 8, batch: int = 8, sequence: int = 256, d_model: int = 256,
                 heads: int = 8, mlp_ratio: int = 4, classes: int = 10,
-                seed: int = 0) -> _bench.ModelSpec:
+                seed: int = 0) -> harness.ModelSpec:
     """A pre-norm Transformer encoder stack: MultiHeadAttention + LayerNorm + MLP per layer."""
 
     def build():
@@ -145,10 +145,10 @@ def transformer(layers_count: int = 8, batch: int = 8, sequence: int = 256, d_mo
         outputs = layers.Dense(classes, name="head")(x)
         model = keras.Model(inputs, outputs, name="transformer")
 
-        tokens = _bench.make_input([batch, sequence, d_model], seed, "embedded_tokens")
+        tokens = harness.make_input([batch, sequence, d_model], seed, "embedded_tokens")
         return _train_classifier(model, tokens, batch, classes, seed)
 
-    return _bench.ModelSpec(
+    return harness.ModelSpec(
         f"Transformer {layers_count} layers b={batch} seq={sequence}", build,
         f"Transformer encoder: {layers_count} pre-norm layers (MultiHeadAttention {heads} heads, "
         f"LayerNorm, GELU MLP x{mlp_ratio}), d_model {d_model}, sequence {sequence}, "
@@ -156,7 +156,7 @@ def transformer(layers_count: int = 8, batch: int = 8, sequence: int = 256, d_mo
 
 
 #: The Keras model families of the benchmark, by the name used in ``--models``.
-KERAS_MODELS: dict[str, Callable[[], _bench.ModelSpec]] = {
+KERAS_MODELS: dict[str, Callable[[], harness.ModelSpec]] = {
     "resnet50": resnet50,
     "densenet121": densenet121,
     "mobilenetv2": mobilenet_v2,

@@ -2,7 +2,7 @@
 
 ``tf.contrib.graph_editor`` is gone; we create each copy with ``Graph._create_op_internal``
 (measured in docs/design.md to reproduce MatMul, Conv2D, FusedBatchNorm, gathers and
-If/While ops exactly). This and ``_tf_graph.py`` are the only modules touching private TF API.
+If/While ops exactly). This and ``tf_graph.py`` are the only modules touching private TF API.
 """
 
 from __future__ import annotations

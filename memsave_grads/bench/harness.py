@@ -7,9 +7,9 @@ trainable variables to the *same* graph, then measures in one ``tf.compat.v1.Ses
 * the gradient error of each method against ``tf.gradients``, all of them in one
   ``session.run`` (same inputs, before any update): ``max|a - b| / max|b|`` per variable, the
   largest over the variables;
-* the peak memory of one training step (:func:`memsave_grads.memory.peak_bytes_of`), in bytes
+* the peak memory of one training step (:func:`memsave_grads.measure.peak_bytes_of`), in bytes
   above what was in use before the step (variables and inputs are resident, so not counted);
-* the median wall time of a training step (:func:`memsave_grads.memory.median_seconds`).
+* the median wall time of a training step (:func:`memsave_grads.measure.median_seconds`).
 
 Inputs live in non-trainable variables and every initial value comes from stateless random ops
 with fixed seeds, so nothing is fed and every run sees the same data.
@@ -32,8 +32,8 @@ from absl import logging
 from memsave_grads import api
 from memsave_grads import errors
 from memsave_grads import _explain as explain_lib
-from memsave_grads import memory
-from memsave_grads.patch import original_gradients
+from memsave_grads import measure
+from memsave_grads.patching import original_gradients
 
 #: What a model builder returns: the scalar loss and the variables to train.
 BuiltModel = Tuple[tf.Tensor, List[tf.Variable]]
@@ -196,9 +196,9 @@ def conv_resnet(blocks: int = 16, batch: int = 32, image: int = 32,
 def benchmark_models() -> list[ModelSpec]:
     """The models of ``memsave-grads benchmark``: Keras 2 applications and blocks (they need
     ``tf_keras``), a deep MLP, and the small raw-op models."""
-    from memsave_grads import _bench_keras  # pylint: disable=import-outside-toplevel
+    from memsave_grads.bench import keras_models  # pylint: disable=import-outside-toplevel
     return [
-        *(build() for build in _bench_keras.KERAS_MODELS.values()),
+        *(build() for build in keras_models.KERAS_MODELS.values()),
         residual_mlp(depth=128, width=512, batch=256),
         tanh_mlp(depth=64, width=1024, batch=256),
         conv_resnet(blocks=16, batch=32, image=32, channels=(32, 64)),
@@ -374,16 +374,16 @@ def measure_model(spec: ModelSpec, methods: Sequence[Method] = DEFAULT_METHODS,
         for i, step in steps.items():
             def run_step(step=step):
                 session.run(step)
-            results[i].median_seconds = memory.median_seconds(run_step, repeats=repeats,
+            results[i].median_seconds = measure.median_seconds(run_step, repeats=repeats,
                                                               warmup=1)
             # The executor's order varies from run to run, and so does the peak (by up to
             # 10% on these networks): report the median of a few runs' peaks.
-            peaks = sorted(memory.peak_bytes_of(run_step)[0] for _ in range(PEAK_RUNS))
+            peaks = sorted(measure.peak_bytes_of(run_step)[0] for _ in range(PEAK_RUNS))
             results[i].peak_bytes = peaks[len(peaks) // 2]
             logging.info("%s / %s: %d ops, peak %s MiB, median step %s ms, "
                          "max rel grad err %s (gradients built in %.1f s)",
                          spec.name, methods[i].label, results[i].graph_ops,
-                         _number(results[i].peak_bytes / memory.MIB),
+                         _number(results[i].peak_bytes / measure.MIB),
                          _number(results[i].median_seconds * 1e3),
                          _format_error(results[i].max_rel_error), results[i].build_seconds)
     return results
@@ -436,7 +436,7 @@ def format_prediction(result: Result) -> str:
     if result.predicted_peak_bytes is None or not result.peak_bytes:
         return "-"
     error = (result.predicted_peak_bytes - result.peak_bytes) / result.peak_bytes
-    return f"{_number(result.predicted_peak_bytes / memory.MIB)} ({error:+.0%})"
+    return f"{_number(result.predicted_peak_bytes / measure.MIB)} ({error:+.0%})"
 
 
 def format_time_ratio(reference_s: float | None, seconds: float | None) -> str:
@@ -464,7 +464,7 @@ def _cells(result: Result, reference: Result) -> list[str]:
     if result.failed is not None:
         reason = result.failed.replace("|", "/")
         return [f"error ({reason})", "-", "-", "-", "-", "-"]
-    return [_number(result.peak_bytes / memory.MIB), format_prediction(result),
+    return [_number(result.peak_bytes / measure.MIB), format_prediction(result),
             format_peak_ratio(reference.peak_bytes, result.peak_bytes),
             _number(result.median_seconds * 1e3),
             format_time_ratio(reference.median_seconds, result.median_seconds),
@@ -537,7 +537,7 @@ def summary_line(results: Sequence[Result], method: Method) -> str | None:
 
 
 def _budget_fraction(method: Method) -> float | None:
-    from memsave_grads import budgets  # pylint: disable=import-outside-toplevel
+    from memsave_grads.core import budgets  # pylint: disable=import-outside-toplevel
     if method.checkpoints and budgets.is_budget_string(method.checkpoints):
         return budgets.Budget.parse(method.checkpoints).fraction
     return None
@@ -559,8 +559,8 @@ def budget_table(results_per_model: Sequence[Sequence[Result]]) -> str:
                 continue
             verdict = "yes" if result.peak_bytes <= 1.05 * budget else "**no**"
             rows.append([
-                result.model, f"{fraction:.0%}", _number(budget / memory.MIB),
-                f"{_number(result.peak_bytes / memory.MIB)} ({result.peak_bytes / budget:.2f})",
+                result.model, f"{fraction:.0%}", _number(budget / measure.MIB),
+                f"{_number(result.peak_bytes / measure.MIB)} ({result.peak_bytes / budget:.2f})",
                 verdict, format_prediction(result),
                 format_time_ratio(reference.median_seconds, result.median_seconds),
                 f"{result.build_seconds:.2f} s" if result.build_seconds else "-"])
@@ -585,14 +585,14 @@ def tradeoff_table(name: str, front, forward_flops: float, plain_bytes: int,
              "| predicted peak MiB | x less than tf.gradients | recomputed FLOPs (of forward) |",
              "|---:|---:|---:|"]
     for plan in front:
-        lines.append(f"| {_number(plan.predicted_peak_bytes / memory.MIB)} | "
+        lines.append(f"| {_number(plan.predicted_peak_bytes / measure.MIB)} | "
                      f"{plain_bytes / max(plan.predicted_peak_bytes, 1):.2f}x | "
                      f"{plan.recompute_cost / forward_flops:.0%} |")
     lines += ["", "Measured:", "",
               "| method | measured peak MiB | step time vs tf.gradients |", "|---|---:|---:|"]
     reference = measured[0]
     for result in measured:
-        peak = _number(result.peak_bytes / memory.MIB) if result.peak_bytes else "-"
+        peak = _number(result.peak_bytes / measure.MIB) if result.peak_bytes else "-"
         lines.append(f"| {result.method.label} | {peak} | "
                      f"{format_time_ratio(reference.median_seconds, result.median_seconds)} |")
     return "\n".join(lines)
@@ -605,10 +605,10 @@ def plot_tradeoff(curves, path: str) -> None:
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, front, total, _, measured in curves:
-        axes[0].plot([p.predicted_peak_bytes / memory.MIB for p in front],
+        axes[0].plot([p.predicted_peak_bytes / measure.MIB for p in front],
                      [100 * p.recompute_cost / total for p in front], "o-", label=name)
         reference = measured[0]
-        points = [(r.peak_bytes / memory.MIB, 100 * (r.median_seconds / reference.median_seconds - 1),
+        points = [(r.peak_bytes / measure.MIB, 100 * (r.median_seconds / reference.median_seconds - 1),
                    r.method.label) for r in measured if r.peak_bytes and r.median_seconds]
         axes[1].plot([p[0] for p in points], [p[1] for p in points], "s--", label=name)
         for x, y, label in points:

@@ -10,7 +10,7 @@ recursively. Memory falls to O(log n) on a chain at O(n log n) compute (design n
 This module is TensorFlow-free:
 
 * :class:`NestedPlan`: kept nodes plus, per kept node, the plan of its segment;
-* :func:`replay`: the memory replay of a nested plan, following what ``_stitch.backprop`` does
+* :func:`replay`: the memory replay of a nested plan, following what ``stitch.backprop`` does
   (on a plan without children it equals :func:`memory_model.plan_peak_bytes`), and the
   recompute cost (a node replayed at depth d counts d times);
 * :func:`solve_revolve`: the revolve recursion generalised to byte sizes, over the cut positions
@@ -27,11 +27,11 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from memsave_grads import budgets
-from memsave_grads import graph as graph_lib
-from memsave_grads import memory_model
-from memsave_grads import planners
-from memsave_grads.memory_model import _backward_readers, _backward_step, _forward, _Ledger  # pylint: disable=protected-access
+from memsave_grads.core import budgets
+from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import memory_model
+from memsave_grads.core import planners
+from memsave_grads.core.memory_model import _backward_readers, _backward_step, _forward, _Ledger  # pylint: disable=protected-access
 
 #: The DP considers at most this many cut positions (thinned evenly beyond).
 REVOLVE_MAX_POSITIONS = 128

@@ -16,10 +16,10 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from memsave_grads import api
-from memsave_grads import budgets
+from memsave_grads.core import budgets
 from memsave_grads import errors
-from memsave_grads import memory_model
-from memsave_grads import solvers
+from memsave_grads.core import memory_model
+from memsave_grads.core import solvers
 
 #: Budgets as fractions of tf.gradients' predicted peak.
 FRACTIONS = (0.75, 0.6, 0.5, 0.4, 0.35)

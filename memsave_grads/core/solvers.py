@@ -40,12 +40,12 @@ from typing import Callable, Sequence
 
 from absl import logging
 
-from memsave_grads import budgets
+from memsave_grads.core import budgets
 from memsave_grads import errors
-from memsave_grads import graph as graph_lib
-from memsave_grads import memory_model
-from memsave_grads import multilevel
-from memsave_grads import planners
+from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import memory_model
+from memsave_grads.core import multilevel
+from memsave_grads.core import planners
 
 #: Segment caps the greedy solver tries (a geometric grid, as for ``"memory"``).
 GREEDY_CAP_POINTS = 24

@@ -27,8 +27,8 @@ import statistics
 from typing import Iterable, Mapping, Sequence
 
 from memsave_grads import errors
-from memsave_grads import graph as graph_lib
-from memsave_grads import memory_model
+from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import memory_model
 
 #: Byte units of the string form, case-insensitive. KB/MB/GB are powers of 1000, KiB/MiB/GiB
 #: of 1024.
@@ -66,7 +66,7 @@ class Budget:
       solver: ``"greedy"`` (fast, the default), ``"dp"`` (exact over cut positions) or
         ``"milp"`` (exact over kept sets, small graphs, needs scipy); see ``solvers``.
       op_seconds: optional calibration: measured seconds per op name (from
-        :func:`memsave_grads.memory.profile_op_seconds`); recompute costs then are seconds
+        :func:`memsave_grads.measure.profile_op_seconds`); recompute costs then are seconds
         instead of FLOPs from static shapes (see :func:`calibrated_costs`).
 
     Among the plans whose predicted peak fits, the solver returns one that recomputes least.
@@ -94,7 +94,7 @@ class Budget:
             object.__setattr__(self, "fraction", _checked_fraction(self.fraction))
         if self.op_seconds is not None:
             _check_op_seconds(self.op_seconds)
-        from memsave_grads import solvers  # pylint: disable=import-outside-toplevel
+        from memsave_grads.core import solvers  # pylint: disable=import-outside-toplevel
         if not isinstance(self.solver, str) or self.solver not in solvers.SOLVERS:
             raise errors.InvalidArgumentError(
                 f"Budget.solver: unknown solver {self.solver!r}; expected one of "

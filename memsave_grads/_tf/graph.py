@@ -2,7 +2,7 @@
 
 It walks the forward graph, classifies operations (replayable or not), sizes tensors and turns
 the region between ``xs`` and ``ys`` into the TensorFlow-free :class:`ForwardGraph`. Anything
-private we depend on is named here (and in ``_rewrite.py``), nowhere else.
+private we depend on is named here (and in ``rewrite.py``), nowhere else.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gradients_impl
 from tensorflow.python.ops import resource_variable_ops
 
-from memsave_grads import graph as graph_lib
-from memsave_grads import policies
+from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import policies
 
 #: The real ``tf.compat.v1.gradients``, captured when this module is imported (a reference, not a
 #: patch): every gradient we build goes through it, so a patched ``tf.gradients`` never recurses.
