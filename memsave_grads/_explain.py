@@ -13,10 +13,9 @@ import dataclasses
 import tensorflow as tf
 
 from memsave_grads._tf import selection
-from memsave_grads._tf import graph as tf_graph
 from memsave_grads import api
 from memsave_grads.core import memory_model
-from memsave_grads.core import multilevel
+from memsave_grads.core import schedule as schedule_lib
 
 _MIB = 1024 * 1024
 
@@ -149,37 +148,32 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
                             tf_gradients_kwargs)
     ctx = prepared.selection
     model = ctx.model
-    decision = selection.decide_schedule(ctx, checkpoints, prepared.chosen, prepared.kept)
-    index = {op: i for i, op in enumerate(ctx.region)}
-    kept = {index[op] for op in prepared.kept if op in index}
-    not_replayed = {i for i in kept if not tf_graph.is_replayable(ctx.region[i])}
-    segs = memory_model.segments(model, kept, not_replayed)
-    levels = []
-    for number, group in enumerate(segs.levels(), 1):
-        nodes = segs.recomputed(group)
-        levels.append(LevelReport(number, len(group), len(nodes),
-                                  sum(model.size_bytes[v] for v in nodes)))
-    chosen = sorted((op for op in prepared.chosen if op in index), key=index.get)
-    recomputed = segs.replayed()
-    peak = memory_model.plan_peak_bytes(model, kept, not_replayed)
-    recompute_flops = sum(model.cost_of(v) for v in recomputed)
-    if getattr(ctx.plan, "nested", None):  # multi-level plan (design note "multi-level")
-        peak, recompute_flops = multilevel.replay(
-            model, multilevel.NestedPlan(frozenset(kept), ctx.plan.nested), not_replayed)
+    plan = prepared.plan
+    decision = selection.decide_schedule(ctx, checkpoints, plan)
+    sched = schedule_lib.of_plan(model, plan)
+    levels = [LevelReport(level.number, len(level.nodes), len(nodes),
+                          sum(model.size_bytes[v] for v in nodes))
+              for level in sched.levels
+              for nodes in [sched.recomputed(level.nodes)]]
+    chosen = sorted(plan.chosen or ())
+    kept = plan.kept
+    # The model's costs are FLOPs, whatever the planner's own cost measure; a node replayed at
+    # depth d counts d times.
+    peak, recompute_flops = memory_model.plan_peak_and_cost(model, plan)
     return PlanReport(
         checkpoints=checkpoints,
         forward_ops=len(ctx.region),
-        checkpoint_names=tuple(t.name for op in chosen for t in op.outputs),
+        checkpoint_names=tuple(t.name for i in chosen for t in ctx.region[i].outputs),
         kept_anyway=len(kept) - len(chosen),
         kept_bytes=sum(model.size_bytes[v] for v in kept),
-        top_segment_ops=len(segs.top),
+        top_segment_ops=len(sched.top),
         levels=tuple(lv for lv in levels if lv.recomputed_ops),
         predicted_peak_bytes=peak,
         predicted_plain_peak_bytes=memory_model.plain_peak_bytes(model),
         unknown_dimensions=ctx.unknown_dimensions,
         recompute_flops=recompute_flops,
         forward_flops=sum(model.cost_of(v) for v in range(model.num_nodes)),
-        budget_bytes=getattr(ctx.plan, "budget_bytes", None),
+        budget_bytes=plan.budget_bytes,
         rewrite=decision.rewrite,
         schedule_reason=decision.reason,
         scratch_bytes=decision.scratch_bytes,

@@ -47,7 +47,7 @@ class NotDifferentiableError(InvalidArgumentError):
 class InfeasibleBudgetError(InvalidArgumentError):
     """A memory budget is below the smallest peak any plan reaches.
 
-    Attributes (set by ``budgets.infeasible``; ``None`` on a copy that AutoGraph re-raised,
+    Attributes (set by ``solvers.problem.infeasible``; ``None`` on a copy that AutoGraph re-raised,
     which keeps only the type and the message):
       min_feasible_bytes: the smallest predicted peak the solver found (for an exact solver,
         the smallest there is): a budget at least this large is feasible.

@@ -17,8 +17,8 @@ import weakref
 import tensorflow as tf
 from absl import logging
 
+from memsave_grads import _validate
 from memsave_grads import api
-from memsave_grads.core import budgets
 from memsave_grads import errors
 
 KERAS2 = "Keras 2 (tf_keras)"
@@ -90,26 +90,17 @@ def keras_version(model) -> str:
 # Validation
 # --------------------------------------------------------------------------------------------
 
+#: Why ``wrap_model`` takes name patterns, not tensors (``_validate.check_checkpoints``).
+_TENSORS_UNAVAILABLE = (
+    "Keras traces the training step after wrap_model returns, so tensors of that graph do not "
+    "exist yet; name the ops to keep with glob patterns such as '*dense_3*/Tanh'.")
+
+
 def _check_options(checkpoints, fallback) -> None:
     """What can be checked before Keras traces the step; tensors of that graph do not exist
     yet, so a list must hold name patterns."""
-    api.check_deferred_options(checkpoints, fallback)
-    if isinstance(checkpoints, (list, tuple)):
-        for i, item in enumerate(checkpoints):
-            if not isinstance(item, str):
-                raise errors.InvalidTypeError(
-                    f"checkpoints[{i}]: expected a name pattern (str), got "
-                    f"{type(item).__name__}: {item!r:.80}. Keras traces the training step "
-                    "after wrap_model returns, so tensors of that graph do not exist yet; name "
-                    "the ops to keep with glob patterns such as '*dense_3*/Tanh'.")
-        if not checkpoints:
-            raise errors.InvalidArgumentError(
-                "checkpoints: got an empty list; pass name patterns, a strategy name or a "
-                "budget.")
-    elif not isinstance(checkpoints, (str, budgets.Budget)):
-        raise errors.InvalidTypeError(
-            f"checkpoints: expected a strategy name, a budget or a list of name patterns, got "
-            f"{type(checkpoints).__name__}: {checkpoints!r:.80}.")
+    _validate.check_deferred_options(checkpoints, fallback,
+                                     tensors_unavailable=_TENSORS_UNAVAILABLE)
 
 
 def _is_compiled(model, version: str) -> bool:

@@ -11,6 +11,7 @@ from absl import logging
 
 from memsave_grads._tf import early_release
 from memsave_grads._tf import graph as tf_graph
+from memsave_grads import _validate
 from memsave_grads import api
 from memsave_grads import errors
 
@@ -45,7 +46,7 @@ def _check_loss(loss) -> tf.Tensor:
             "loss: expected a scalar float tf.Tensor, got a callable. minimize() works on a "
             "graph: build the loss first (in a tf.compat.v1 graph or inside tf.function) and "
             "pass the tensor.")
-    loss = api._check_graph_tensor(loss, "loss", allow_variable=False)  # pylint: disable=protected-access
+    loss = _validate.check_graph_tensor(loss, "loss", allow_variable=False)
     if not loss.dtype.is_floating:
         raise errors.NotDifferentiableError(
             f"loss: expected a floating-point scalar, got {loss.name!r} of dtype "
@@ -200,7 +201,7 @@ def minimize(loss, optimizer, var_list=None, checkpoints="memory", global_step=N
                 producers=early_release.gradient_producers(g, grad_floor),
                 fed_ops=fed, update_ops=every,
                 readers=[r for r in early_release.value_readers(h, apply_floor)
-                         if early_release.op_id(r) > grad_floor or r in step_ops]))
+                         if tf_graph.creation_index(r) > grad_floor or r in step_ops]))
         unordered = [u.name for u in updates if not u.fed_ops]
         if unordered:
             logging.warning("memsave_grads.minimize: apply_gradients of %s built no op reading "
@@ -216,7 +217,7 @@ def minimize(loss, optimizer, var_list=None, checkpoints="memory", global_step=N
         # TensorFlow copy the whole weight (copy-on-write), one more weight of memory.
         # Backprop completes the gradients in this order (the op computing the last piece of
         # a gradient is created later for layers nearer the input).
-        updates.sort(key=lambda u: max(map(early_release.op_id, u.producers), default=0))
+        updates.sort(key=lambda u: max(map(tf_graph.creation_index, u.producers), default=0))
         early_release.mark_early_roots(updates)
         stats = early_release.order_updates(updates, grad_floor)
     logging.vlog(1, "memsave_grads.minimize: %d variables; control edges %s", len(updates),
@@ -232,12 +233,4 @@ def minimize(loss, optimizer, var_list=None, checkpoints="memory", global_step=N
 
 def _step_ancestors(loss: tf.Tensor) -> set:
     """Every op the forward pass of ``loss`` depends on (data or control)."""
-    seen, stack = set(), [loss.op]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return seen
+    return set(tf_graph.walk([loss.op], tf_graph.dependency_ops))

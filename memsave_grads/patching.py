@@ -17,6 +17,7 @@ import tensorflow as tf
 from absl import logging
 
 from memsave_grads._tf import graph as tf_graph
+from memsave_grads import _validate
 from memsave_grads import api
 from memsave_grads import errors
 
@@ -124,9 +125,11 @@ def patch(checkpoints="memory", fallback: str = "warn") -> _Patch:
 
     Raises:
       PatchStateError: already patched (call ``unpatch()`` first).
+      UnknownStrategyError / InvalidArgumentError / InvalidTypeError: a ``checkpoints`` or
+        ``fallback`` of the wrong form, refused now rather than at the first gradient.
     """
     global _active
-    api.check_deferred_options(checkpoints, fallback)
+    _validate.check_deferred_options(checkpoints, fallback)
     with _lock:
         if _active is not None:
             raise errors.PatchStateError(

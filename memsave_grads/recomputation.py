@@ -31,11 +31,11 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.framework import func_graph as func_graph_lib
 
 from memsave_grads._tf import rewrite
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads import errors
+from memsave_grads.core import op_types
 
 _call_counter = itertools.count()
 
@@ -123,34 +123,24 @@ class _Plan:
 
 def _plan(forward_ops, inputs, outputs, fn_name) -> _Plan:
     own = set(forward_ops)
-    needed, stack = set(), [t.op for t in outputs if t.op in own]
-    while stack:
-        op = stack.pop()
-        if op in needed:
-            continue
-        needed.add(op)
-        if not tf_graph.is_replayable(op):
-            continue  # kept: its outputs are read from the forward pass
-        stack.extend(t.op for t in op.inputs if t.op in own)
-        stack.extend(c for c in op.control_inputs if c in own)
+    # A kept (not replayable) op is not crossed: its outputs are read from the forward pass.
+    needed = set(tf_graph.walk(
+        [t.op for t in outputs], lambda op: (tf_graph.dependency_ops(op)
+                                             if tf_graph.is_replayable(op) else ()),
+        include=own.__contains__))
     kept = {op for op in needed if not tf_graph.is_replayable(op)}
     _check_kept(kept, own, inputs, fn_name)
     replayed = [op for op in forward_ops if op in needed and op not in kept]
     kept_reads = [op.outputs[0] for op in forward_ops
-                  if op in kept and op.type == "ReadVariableOp"]
+                  if op in kept and op.type in op_types.VARIABLE_READ_OP_TYPES]
     return _Plan(replayed, kept_reads)
 
 
 def _check_kept(kept, own, inputs, fn_name) -> None:
     """A kept stateful op must not read a differentiable value computed from the inputs: its
     gradient would need the op's forward inputs, which is what recompute does not store."""
-    # Ops of the function downstream of an input (walked forward through consumers).
-    downstream, stack = set(), [c for t in inputs for c in t.consumers() if c in own]
-    while stack:
-        op = stack.pop()
-        if op not in downstream:
-            downstream.add(op)
-            stack.extend(c for out in op.outputs for c in out.consumers() if c in own)
+    downstream = set(tf_graph.walk([c for t in inputs for c in t.consumers()],
+                                   tf_graph.consumer_ops, include=own.__contains__))
     input_refs = {t.ref() for t in inputs}
 
     def from_inputs(t) -> bool:
@@ -201,8 +191,7 @@ def _differentiable(t) -> bool:
 
 def _variable_grads(variables, reads, read_grads):
     """Sum the gradients of each variable's reads inside the function."""
-    captured_by: dict = {}  # graph -> {id(internal placeholder): external tensor}
-    handles = [_outermost(read.op.inputs[0], captured_by) for read in reads]
+    handles = [_outermost(read.op.inputs[0]) for read in reads]
     sums = []
     for variable in variables:
         parts = [tf.convert_to_tensor(g)  # IndexedSlices from gathers
@@ -212,18 +201,11 @@ def _variable_grads(variables, reads, read_grads):
     return sums
 
 
-def _outermost(handle, captured_by: dict):
+def _outermost(handle):
     """Follow a captured placeholder out through nested function graphs (a while body inside a
     tf.function) to the tensor it stands for: a variable's own handle."""
-    while not tf_graph.is_eager_tensor(handle) and isinstance(handle.graph,
-                                                               func_graph_lib.FuncGraph):
-        graph = handle.graph
-        if graph not in captured_by:
-            captured_by[graph] = {id(internal): external for external, internal in graph.captures}
-        external = captured_by[graph].get(id(handle))
-        if external is None:
-            break
-        handle = external
+    while (outer := tf_graph.captured_value(handle)) is not None:
+        handle = outer
     return handle
 
 

@@ -1,13 +1,18 @@
-"""Test setup: allocator statistics must be switched on before TensorFlow is imported."""
+"""Test setup: allocator statistics must be switched on before TensorFlow is imported.
+
+TensorFlow itself is imported only by the fixtures that build graphs: the core's tests
+(test_graph_model.py, test_memory_model.py, test_solvers.py...) run without it, and
+tests/test_layering.py checks that they do.
+"""
 
 import os
+import sys
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 
 def assert_grads_close(actual, expected, rtol=1e-5, atol=0.0):
@@ -35,9 +40,20 @@ def _rewrite_even_where_plain_would_do(request, monkeypatch):
     (docs/design.md, note "never worse") would hand the gradients to plain tf.gradients and a
     parity test would compare tf.gradients with itself. The rule stays on for tests marked
     ``never_worse``: the tests of the rule, and measured peaks of whole models."""
+    if "tensorflow" not in sys.modules:
+        # Only the core's TF-free tests get here (every module that builds graphs imports
+        # TensorFlow at its top, before this runs): no rewrite to force, and importing the
+        # selection would load TensorFlow into them.
+        yield
+        loaded_in_the_test = "tensorflow" in sys.modules
+        assert not loaded_in_the_test, (
+            "this test imported TensorFlow inside its body, after this fixture left the "
+            "never-worse rule on: import tensorflow at the top of its module")
+        return
     if request.node.get_closest_marker("never_worse") is None:
         from memsave_grads._tf import selection  # pylint: disable=import-outside-toplevel
         monkeypatch.setattr(selection, "NEVER_WORSE_RULE", False)
+    yield
 
 
 @pytest.fixture
@@ -61,6 +77,7 @@ def spy(monkeypatch):
 
 @pytest.fixture
 def graph():
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     g = tf.Graph()
     with g.as_default():
         yield g
@@ -68,5 +85,6 @@ def graph():
 
 @pytest.fixture
 def session(graph):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     with tf.compat.v1.Session(graph=graph) as sess:
         yield sess

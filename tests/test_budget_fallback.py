@@ -12,6 +12,7 @@ import tensorflow as tf
 import memsave_grads as mg
 from conftest import assert_grads_close
 from memsave_grads.core import budgets
+from tf_builders import tanh_layers
 
 
 def _chain(layers=12):
@@ -140,9 +141,7 @@ def test_wrap_model_lstm_trains_under_an_infeasible_budget(caplog):
 def test_infeasible_budget_keeps_its_type_through_autograph():
     @tf.function
     def step(x):
-        h = x
-        for _ in range(8):
-            h = tf.tanh(1.1 * h)
+        h = tanh_layers(x, 8, scale=1.1)
         return mg.gradients(tf.reduce_sum(h), x, checkpoints="budget:1%")
 
     with pytest.raises(mg.InfeasibleBudgetError, match="below the smallest peak"):

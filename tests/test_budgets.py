@@ -9,9 +9,12 @@ from conftest import assert_grads_close
 from graphs import BUILDERS
 from memsave_grads.bench import solvers as bench_solvers
 from memsave_grads.core import budgets
-from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import plan as plan_lib
+from memsave_grads.core.solvers import problem as problem_lib
 from memsave_grads.core import memory_model
 from memsave_grads.core import solvers
+from strategies import matmul_tanh_problem
+from tf_builders import residual_tanh_mlp
 
 MIB = 2**20
 
@@ -74,30 +77,20 @@ def test_calibrated_costs_use_measured_seconds_and_scale_the_rest():
 # --------------------------------------------------------------------------------------------
 
 
-def _chain_problem(n=40, size=1000):
-    graph = graph_lib.ForwardGraph(
-        inputs=tuple(() if i == 0 else (i - 1,) for i in range(n)),
-        size_bytes=(size,) * n, reads_source=(True,) + (False,) * (n - 1),
-        feeds_sink=(False,) * (n - 1) + (True,),
-        expensive=tuple(i % 2 == 0 for i in range(n)),
-        flops=tuple(10.0 if i % 2 == 0 else 1.0 for i in range(n)))
-    return budgets.BudgetProblem(graph, 0, candidates=frozenset(range(n - 1)))
-
-
 @pytest.mark.parametrize("solver", sorted(solvers.SOLVERS))
 @pytest.mark.parametrize("fraction", [0.8, 0.5, 0.3])
 def test_every_solver_fits_the_budget(solver, fraction):
-    problem = _chain_problem()
+    problem = matmul_tanh_problem(40)
     plain = memory_model.plain_peak_bytes(problem.graph)
     plan = solvers.solve(problem.with_budget(int(fraction * plain)), solver)
     assert plan.predicted_peak_bytes <= int(fraction * plain)
-    _, peak, cost = budgets.score(problem, plan.kept)
+    _, peak, cost = problem_lib.score(problem, plan.kept)
     assert (peak, cost) == (plan.predicted_peak_bytes, plan.recompute_cost)
 
 
 @pytest.mark.parametrize("solver", sorted(solvers.SOLVERS))
 def test_a_roomy_budget_recomputes_nothing(solver):
-    problem = _chain_problem()
+    problem = matmul_tanh_problem(40)
     plan = solvers.solve(problem.with_budget(10 * memory_model.plain_peak_bytes(problem.graph)),
                          solver)
     assert plan.recompute_cost == 0
@@ -105,7 +98,7 @@ def test_a_roomy_budget_recomputes_nothing(solver):
 
 @pytest.mark.parametrize("solver", sorted(solvers.SOLVERS))
 def test_infeasible_budget_states_a_feasible_minimum(solver):
-    problem = _chain_problem()
+    problem = matmul_tanh_problem(40)
     with pytest.raises(mg.InfeasibleBudgetError) as info:
         solvers.solve(problem.with_budget(1000), solver)
     minimum = info.value.min_feasible_bytes
@@ -116,7 +109,7 @@ def test_infeasible_budget_states_a_feasible_minimum(solver):
 
 
 def test_tighter_budgets_cost_more():
-    problem = _chain_problem(n=60)
+    problem = matmul_tanh_problem(60)
     plain = memory_model.plain_peak_bytes(problem.graph)
     costs = [solvers.solve(problem.with_budget(int(f * plain)), "dp").recompute_cost
              for f in (0.9, 0.6, 0.4, 0.25)]
@@ -124,7 +117,7 @@ def test_tighter_budgets_cost_more():
 
 
 def test_tradeoff_is_a_pareto_front():
-    problem = _chain_problem(n=60)
+    problem = matmul_tanh_problem(60)
     front = solvers.tradeoff(problem, points=8)
     assert len(front) >= 3
     peaks = [p.predicted_peak_bytes for p in front]
@@ -147,11 +140,11 @@ def test_greedy_is_near_the_exact_solvers(small_graph_rows):
     for row in small_graph_rows:
         assert row.forward_ops <= 200, report
         greedy = row.plans["greedy"]
-        if not isinstance(greedy, budgets.BudgetPlan):
+        if not isinstance(greedy, plan_lib.Plan):
             continue
         assert greedy.predicted_peak_bytes <= row.budget_bytes
         best = bench_solvers.best_cost(row)
-        if greedy.nested:  # no single-level plan found: the revolve fallback, counted a miss
+        if greedy.children:  # no single-level plan found: the revolve fallback, counted a miss
             continue
         assert greedy.recompute_cost <= 1.5 * best + 1e-9, report
         within += greedy.recompute_cost <= 1.10 * best + 1e-9
@@ -164,7 +157,7 @@ def test_a_proven_milp_optimum_is_never_beaten(small_graph_rows):
     proven = 0
     for row in small_graph_rows:
         milp = row.plans["milp"]
-        if isinstance(milp, budgets.BudgetPlan) and milp.optimal:
+        if isinstance(milp, plan_lib.Plan) and milp.optimal:
             proven += 1
             assert milp.recompute_cost <= bench_solvers.best_cost(row) + 1e-9, report
     assert proven >= len(small_graph_rows) // 2, report
@@ -172,7 +165,7 @@ def test_a_proven_milp_optimum_is_never_beaten(small_graph_rows):
 
 def test_greedy_solves_fast(small_graph_rows):
     for row in small_graph_rows:
-        if isinstance(row.plans["greedy"], budgets.BudgetPlan):
+        if isinstance(row.plans["greedy"], plan_lib.Plan):
             assert row.plans["greedy"].solve_seconds < 1.0
 
 
@@ -185,9 +178,7 @@ def _mlp(batch=64, width=128, depth=12):
     x = tf.compat.v1.placeholder(tf.float32, [batch, width])
     weights = [tf.Variable(tf.random.stateless_normal([width, width], [i, 0], stddev=0.08))
                for i in range(depth)]
-    h = x
-    for w in weights:
-        h = h + tf.tanh(h @ w)
+    h = residual_tanh_mlp(x, weights)
     return x, tf.reduce_sum(h * h), weights
 
 
@@ -288,4 +279,4 @@ def test_milp_without_scipy_says_how_to_install(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "scipy", None)  # import scipy now raises ImportError
     with pytest.raises(mg.MissingDependencyError, match="pip install scipy"):
-        solvers.solve(_chain_problem().with_budget(10**9), "milp")
+        solvers.solve(matmul_tanh_problem(40).with_budget(10**9), "milp")

@@ -6,29 +6,7 @@ from hypothesis import strategies as st
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
 from memsave_grads.core import planners
-
-
-@st.composite
-def region_dags(draw, max_nodes=24):
-    """Random forward regions: one entry node reading x, every node reaches a sink."""
-    n = draw(st.integers(2, max_nodes))
-    inputs = [()]
-    for node in range(1, n):
-        preds = draw(st.sets(st.integers(0, node - 1), min_size=1, max_size=min(3, node)))
-        inputs.append(tuple(sorted(preds)))
-    has_consumer = {p for preds in inputs for p in preds}
-    extra_sinks = draw(st.sets(st.integers(0, n - 1), max_size=2))
-    feeds_sink = tuple(v not in has_consumer or v in extra_sinks for v in range(n))
-    sizes = tuple(draw(st.lists(st.integers(1, 1000), min_size=n, max_size=n)))
-    return graph_lib.ForwardGraph(inputs=tuple(inputs), size_bytes=sizes,
-                                  reads_source=(True,) + (False,) * (n - 1), feeds_sink=feeds_sink)
-
-
-def _chain(n, size=1):
-    return graph_lib.ForwardGraph(inputs=((),) + tuple((i - 1,) for i in range(1, n)),
-                                  size_bytes=(size,) * n,
-                                  reads_source=(True,) + (False,) * (n - 1),
-                                  feeds_sink=(False,) * (n - 1) + (True,))
+from strategies import chain, dags
 
 
 def _reachable_without(g, start, blocked):
@@ -45,7 +23,7 @@ def _reachable_without(g, start, blocked):
 
 
 @settings(max_examples=200, deadline=None)
-@given(region_dags())
+@given(dags())
 def test_frontier_cuts_cut_the_graph(g):
     """Keeping a cut's frontier separates what comes before it from what comes after it."""
     plan = planners.frontier_cuts(g, must_keep=[], candidates=range(g.num_nodes))
@@ -73,7 +51,7 @@ def test_frontier_is_what_crosses_the_cut():
 
 
 def test_chain_plan_keeps_about_sqrt_n_and_predicts_the_saving():
-    g = _chain(100)
+    g = chain(100)
     plan = planners.frontier_cuts(g, must_keep=[], candidates=range(99))
     assert 5 <= len(plan.kept) <= 20
     assert memory_model.plain_peak_bytes(g) >= 100
@@ -110,16 +88,13 @@ def test_u_net_without_single_separators_is_cut():
 def test_cut_prefers_an_expensive_op_output_at_equal_bytes():
     # matmul -> relu -> matmul -> relu ...: keeping matmul outputs recomputes only relus.
     n = 40
-    g = graph_lib.ForwardGraph(inputs=((),) + tuple((i - 1,) for i in range(1, n)),
-                               size_bytes=(1,) * n, reads_source=(True,) + (False,) * (n - 1),
-                               feeds_sink=(False,) * (n - 1) + (True,),
-                               expensive=tuple(i % 2 == 0 for i in range(n)))
+    g = chain(n, expensive=tuple(i % 2 == 0 for i in range(n)))
     plan = planners.frontier_cuts(g, must_keep=[], candidates=range(n - 1))
     assert plan.kept and all(g.expensive[v] for v in plan.kept)
 
 
 @settings(max_examples=200, deadline=None)
-@given(region_dags(), st.data())
+@given(dags(), st.data())
 def test_close_segments_gives_every_node_one_owner(g, data):
     kept = data.draw(st.sets(st.integers(0, g.num_nodes - 1)))
     closed = graph_lib.close_segments(g, kept)

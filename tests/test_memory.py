@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import memsave_grads as mg
 from memsave_grads import measure
+from tf_builders import tanh_layers
 
 MIB = measure.MIB
 ROWS, COLS = 256, 1024  # 1 MiB of float32 per activation
@@ -17,10 +18,7 @@ ROWS, COLS = 256, 1024  # 1 MiB of float32 per activation
 
 def _chain(residual):
     x = tf.compat.v1.placeholder(tf.float32, [ROWS, COLS])
-    h = x
-    for _ in range(100):
-        h = h + tf.tanh(h) if residual else tf.tanh(h)
-    return x, tf.reduce_sum(h)
+    return x, tf.reduce_sum(tanh_layers(x, 100, residual=residual))
 
 
 def _peak_mib(graph, x, grads):
@@ -74,10 +72,7 @@ def test_peak_inside_tf_function(method):
 
     @tf.function
     def step(x):
-        h = x
-        for _ in range(100):
-            h = tf.tanh(h)
-        y = tf.reduce_sum(h)
+        y = tf.reduce_sum(tanh_layers(x, 100))
         if method == "memory":
             return mg.gradients(y, x, checkpoints="memory")[0]
         return tf.gradients(y, x)[0]

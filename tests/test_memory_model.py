@@ -2,53 +2,54 @@
 
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
-
-
-def _chain(n, **fields):
-    return graph_lib.ForwardGraph(inputs=((),) + tuple((i - 1,) for i in range(1, n)),
-                                  size_bytes=(1,) * n, reads_source=(True,) + (False,) * (n - 1),
-                                  feeds_sink=(False,) * (n - 1) + (True,), **fields)
+from memsave_grads.core import schedule as schedule_lib
+from strategies import chain
 
 
 def test_plain_chain_by_hand():
     # Forward keeps all 3 outputs (each is read by the next node's gradient): 3 bytes. Backward
     # at node 2 allocates node 1's gradient (4 bytes: the peak), then frees node 2 and node 1's
     # output; at node 1 node 0's gradient replaces node 1's.
-    assert memory_model.plain_peak_bytes(_chain(3)) == 4
+    assert memory_model.plain_peak_bytes(chain(3)) == 4
 
 
 def test_outputs_no_gradient_reads_are_freed_in_the_forward_pass():
     # add -> add -> add: no gradient reads an input, so the forward pass holds two at a time.
-    g = _chain(10, grad_reads_inputs=(False,) * 10)
+    g = chain(10, grad_reads_inputs=(False,) * 10)
     assert memory_model.plain_peak_bytes(g) <= 3
-    assert memory_model.plain_peak_bytes(_chain(10)) == 11
+    assert memory_model.plain_peak_bytes(chain(10)) == 11
 
 
 def test_views_allocate_nothing_unless_kept():
     views = (False,) + (True,) * 9
-    assert memory_model.plain_peak_bytes(_chain(10, views=views)) < 5
-    assert memory_model.plan_peak_bytes(_chain(10, views=views), kept={5}) >= 2
+    assert memory_model.plain_peak_bytes(chain(10, views=views)) < 5
+    assert memory_model.plan_peak_bytes(chain(10, views=views), kept={5}) >= 2
 
 
 def test_plan_on_a_chain_peaks_near_kept_plus_one_segment():
     n = 100
     kept = set(range(9, n - 1, 10))  # 9 checkpoints, segments of 10
-    peak = memory_model.plan_peak_bytes(_chain(n), kept)
+    peak = memory_model.plan_peak_bytes(chain(n), kept)
     assert len(kept) + 10 <= peak <= len(kept) + 2 * 10 + 2
-    assert memory_model.plain_peak_bytes(_chain(n)) == n + 1
+    assert memory_model.plain_peak_bytes(chain(n)) == n + 1
 
 
 def test_segments_and_levels_mirror_the_rewrite():
     # 0 -> 1 -> 2 -> 3 -> 4 (y), kept {1, 3}: top {4}, segment of 3 is {2, 3}, of 1 is {0, 1}.
-    segs = memory_model.segments(_chain(5), {1, 3})
-    assert segs.top == [4]
-    assert segs.owned == {1: [0, 1], 3: [2, 3]}
-    assert segs.levels() == [[3], [1]]
-    assert memory_model.segments(_chain(5), {1, 3}, not_replayed={1}).owned[1] == []
+    sched = schedule_lib.build(chain(5), {1, 3})
+    assert sched.top == (4,)
+    assert sched.owned == {1: (0, 1), 3: (2, 3)}
+    assert [level.nodes for level in sched.levels] == [[3], [1]]
+    assert schedule_lib.build(chain(5), {1, 3}, not_replayed={1}).owned[1] == ()
+    # A never-replayed kept node that reads nothing inside the graph (a variable read) is
+    # deferred: the rewrite takes its gradient in one final call, the model at its level.
+    sched = schedule_lib.build(chain(5), {0, 3}, not_replayed={0})
+    assert sched.deferred == [0] and [lv.kept for lv in sched.levels] == [(3,), ()]
+    assert [lv.nodes for lv in sched.levels] == [[3], [0]]
 
 
 def test_variable_gradients_are_a_spike():
-    g = _chain(3, param_bytes=(0, 100, 0))
+    g = chain(3, param_bytes=(0, 100, 0))
     assert memory_model.plain_peak_bytes(g) >= 100
 
 
@@ -67,15 +68,15 @@ def test_elementwise_ops_write_into_a_freed_input():
     assert memory_model.plain_peak_bytes(adds()) == 8
     assert memory_model.plain_peak_bytes(adds(forwards=(True,) * n)) == 5
     # An input the backward pass keeps is not written over: no saving.
-    assert memory_model.plain_peak_bytes(_chain(n, forwards=(True,) * n)) == \
-        memory_model.plain_peak_bytes(_chain(n))
+    assert memory_model.plain_peak_bytes(chain(n, forwards=(True,) * n)) == \
+        memory_model.plain_peak_bytes(chain(n))
 
 
 def test_an_input_only_a_constant_gradient_reads_is_not_kept():
     # 0 -> 1 -> 2 (y); node 1 is "0.5 * x": its gradient reads x only for the constant's own
     # gradient, which is pruned. Node 0's output is then freed once node 1 has run.
-    reads_all = _chain(3)
-    scaled = _chain(3, unread_inputs=(frozenset(), frozenset({0}), frozenset()))
+    reads_all = chain(3)
+    scaled = chain(3, unread_inputs=(frozenset(), frozenset({0}), frozenset()))
     assert scaled.gradient_reads_input(1, 0) is False
     assert scaled.gradient_reads_input(2, 1) is True
     assert memory_model.plain_peak_bytes(scaled) == memory_model.plain_peak_bytes(reads_all) - 1

@@ -7,12 +7,13 @@ and a real saving of measured peak memory.
 import pytest
 
 from memsave_grads.bench import harness
+from memsave_grads.bench import models
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("spec", [harness.residual_mlp(depth=128, width=512, batch=256),
-                                  harness.conv_resnet()], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [models.residual_mlp(depth=128, width=512, batch=256),
+                                  models.conv_resnet()], ids=lambda s: s.name)
 def test_memory_strategy_at_model_scale(spec):
     reference, ours = harness.measure_model(spec, [harness.REFERENCE, harness.MEMORY], repeats=1)
     assert ours.skipped is None and ours.failed is None, (ours.skipped, ours.failed)

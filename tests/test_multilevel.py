@@ -11,15 +11,17 @@ from hypothesis import strategies as st
 
 import memsave_grads as mg
 from conftest import assert_grads_close
-from memsave_grads._tf import stitch
 from memsave_grads import api
-from memsave_grads.core import budgets
+from memsave_grads.core import plan as plan_lib
+from memsave_grads.core.solvers import problem as problem_lib
 from memsave_grads.core import graph as graph_lib
 from memsave_grads import measure
 from memsave_grads.core import memory_model
 from memsave_grads.core import multilevel
 from memsave_grads.core import planners
 from memsave_grads.core import solvers
+from strategies import dags, tanh_chain
+from tf_builders import residual_tanh_mlp, tanh_layers
 
 MIB = measure.MIB
 
@@ -36,12 +38,7 @@ def _nested_gradients(ys, xs, levels):
     candidates, must_keep, not_replayed = ctx.node_sets()
     plan = multilevel.balanced_plan(ctx.model, must_keep, candidates, levels, not_replayed)
     assert plan.levels == levels
-    region = ctx.region
-    with prepared.graph.as_default():
-        grads = stitch.backprop(
-            prepared.ys, prepared.xs, prepared.grad_ys, region, {region[i] for i in plan.kept},
-            prepared.user_stops, prepared.tf_kwargs, unconnected_zero=False,
-            scope_prefix="test_memsave", nested=stitch.nested_ops(plan.children, region))
+    grads = api.run_plan(prepared, plan)
     # A copy at depth d is named after the copy it copies, inside that level's "nested" scope:
     # 1 + 2 + ... + (d - 1) "nested" scopes in its name.
     depth = max((op.name.count("/nested/") for op in prepared.graph.get_operations()), default=0)
@@ -55,16 +52,12 @@ def _weights(shapes, seed=0):
 
 
 def _tanh_chain(ws, x):
-    h = x
-    for _ in range(30):
-        h = tf.tanh(1.1 * h)
+    h = tanh_layers(x, 30, scale=1.1)
     return tf.reduce_sum(h * h)
 
 
 def _residual_mlp(ws, x):
-    h = x
-    for w in ws:
-        h = h + tf.tanh(tf.matmul(h, w))
+    h = residual_tanh_mlp(x, ws)
     return tf.reduce_sum(h * h)
 
 
@@ -128,11 +121,11 @@ def test_revolve_budget_below_the_memory_plan_on_networks(model):
     with graph.as_default():
         y, xs = _build(model)
         expected = tf.gradients(y, xs)
-        single = api._prepare(y, xs, None, "memory", {}).selection.plan.predicted_peak_bytes
+        single = api._prepare(y, xs, None, "memory", {}).plan.predicted_peak_bytes
         budget = mg.Budget(bytes=int(0.7 * single), solver="revolve")
-        plan = api._prepare(y, xs, None, budget, {}).selection.plan
+        plan = api._prepare(y, xs, None, budget, {}).plan
         assert plan.predicted_peak_bytes <= budget.bytes
-        assert multilevel.NestedPlan(plan.kept, plan.nested).levels >= 2
+        assert plan.levels >= 2
         got = mg.gradients(y, xs, checkpoints=budget)
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
@@ -145,58 +138,32 @@ def test_revolve_budget_below_the_memory_plan_on_networks(model):
 # --------------------------------------------------------------------------------------------
 
 
-def _chain(n, size=MIB):
-    return graph_lib.ForwardGraph(
-        inputs=((),) + tuple((i - 1,) for i in range(1, n)), size_bytes=(size,) * n,
-        reads_source=(True,) + (False,) * (n - 1), feeds_sink=(False,) * (n - 1) + (True,),
-        grad_reads_inputs=(False,) * n, grad_reads_output=(True,) * n)
-
-
-@st.composite
-def _dags(draw, max_nodes=18):
-    n = draw(st.integers(3, max_nodes))
-    inputs = [()]
-    for v in range(1, n):
-        preds = draw(st.sets(st.integers(0, v - 1), min_size=1, max_size=min(3, v)))
-        inputs.append(tuple(sorted(preds)))
-    sizes = tuple(draw(st.lists(st.integers(0, 9), min_size=n, max_size=n)))
-    flags = lambda: tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n)))  # noqa: E731
-    readers = [0] * n
-    for preds in inputs:
-        for p in preds:
-            readers[p] += 1
-    feeds = tuple(readers[v] == 0 for v in range(n))
-    return graph_lib.ForwardGraph(inputs=tuple(inputs), size_bytes=sizes,
-                                  reads_source=(True,) + (False,) * (n - 1), feeds_sink=feeds,
-                                  grad_reads_inputs=flags(), grad_reads_output=flags(),
-                                  views=flags())
-
-
 @settings(max_examples=60, deadline=None)
-@given(_dags(), st.data())
+@given(dags(min_nodes=3, max_nodes=18, min_size_bytes=0, max_size_bytes=9, max_extra_sinks=0,
+            gradient_flags=True), st.data())
 def test_one_level_replay_equals_plan_peak_bytes(g, data):
     kept = data.draw(st.sets(st.integers(0, g.num_nodes - 1)))
     closed = graph_lib.close_segments(g, kept)
-    assert multilevel.replay(g, multilevel.NestedPlan(frozenset(closed)))[0] == \
+    assert memory_model.plan_peak_and_cost(g, plan_lib.Plan(closed))[0] == \
         memory_model.plan_peak_bytes(g, closed)
 
 
 def test_one_level_cost_equals_budgets_score_on_a_chain():
-    g = _chain(40)
+    g = tanh_chain(40, MIB)
     plan = planners.frontier_cuts(g, [], range(39))
-    problem = budgets.BudgetProblem(graph=g, budget_bytes=1)
-    _, peak, cost = budgets.score(problem, plan.kept)
-    assert multilevel.replay(g, multilevel.NestedPlan(plan.kept)) == (peak, cost)
+    problem = problem_lib.BudgetProblem(graph=g, budget_bytes=1)
+    _, peak, cost = problem_lib.score(problem, plan.kept)
+    assert memory_model.plan_peak_and_cost(g, plan_lib.Plan(plan.kept)) == (peak, cost)
 
 
 def test_deeper_plans_need_less_memory_and_more_compute_on_a_chain():
-    g = _chain(256)
-    results = [multilevel.replay(g, multilevel.balanced_plan(g, [], range(255), levels))
+    g = tanh_chain(256, MIB)
+    results = [memory_model.plan_peak_and_cost(g, multilevel.balanced_plan(g, [], range(255), levels))
                for levels in (1, 2, 3)]
     # balanced plans are not tuned; compare the DP's instead
-    plans = [multilevel.solve_revolve(budgets.BudgetProblem(graph=g, budget_bytes=b * MIB))
+    plans = [solvers.solve_revolve(problem_lib.BudgetProblem(graph=g, budget_bytes=b * MIB))
              for b in (34, 16, 12)]
-    levels = [multilevel.NestedPlan(p.kept, p.nested).levels for p in plans]
+    levels = [p.levels for p in plans]
     assert levels[0] == 1 and levels[1] >= 2 and levels[2] >= levels[1], levels
     assert [p.predicted_peak_bytes for p in plans] == sorted(
         (p.predicted_peak_bytes for p in plans), reverse=True)
@@ -222,23 +189,23 @@ def _trees(lo, hi, positions):
 
 @pytest.mark.parametrize("n", [6, 8])
 def test_revolve_matches_brute_force_on_tiny_chains(n):
-    g = _chain(n)
-    problem = budgets.BudgetProblem(graph=g, budget_bytes=10**12,
+    g = tanh_chain(n, MIB)
+    problem = problem_lib.BudgetProblem(graph=g, budget_bytes=10**12,
                                     candidates=frozenset(range(n - 1)))
     search = planners.CutSearch(g, [], problem.candidates)
     positions = [p for p in range(n) if search.allowed[p]]
     scored = []
     for tree in _trees(-1, n - 1, positions):
         plan = multilevel.plan_from_tree(g, search, tree)
-        scored.append(multilevel.replay(g, plan))
+        scored.append(memory_model.plan_peak_and_cost(g, plan))
     smallest = min(peak for peak, _ in scored)
     for budget in sorted({peak for peak, _ in scored}):
         best = min(cost for peak, cost in scored if peak <= budget)
-        plan = multilevel.solve_revolve(problem.with_budget(budget))
+        plan = solvers.solve_revolve(problem.with_budget(budget))
         assert plan.predicted_peak_bytes <= budget
         assert plan.recompute_cost == best, (budget, plan)
     with pytest.raises(mg.InfeasibleBudgetError) as info:
-        multilevel.solve_revolve(problem.with_budget(smallest - 1))
+        solvers.solve_revolve(problem.with_budget(smallest - 1))
     assert info.value.min_feasible_bytes == smallest
 
 
@@ -259,27 +226,24 @@ def _measure(checkpoints):
     graph = tf.Graph()
     with graph.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [ROWS, COLS])
-        h = x
-        for _ in range(LAYERS):
-            h = tf.tanh(h)
-        y = tf.reduce_sum(h)
+        y = tf.reduce_sum(tanh_layers(x, LAYERS))
         grads = mg.gradients(y, x, checkpoints=checkpoints)
-        plan = api._prepare(y, x, None, checkpoints, {}).selection.plan
+        plan = api._prepare(y, x, None, checkpoints, {}).plan
     feed = {x: np.random.RandomState(0).rand(ROWS, COLS).astype(np.float32)}
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(grads, feed)
         peak, values = measure.peak_bytes_of(lambda: sess.run(grads, feed))
-    levels = multilevel.NestedPlan(plan.kept, getattr(plan, "nested", {})).levels
+    levels = plan.levels
     return peak / MIB, values, levels
 
 
 def test_measured_peak_below_the_single_level_minimum():
     memory_mib, expected, _ = _measure("memory")
-    model = _chain(LAYERS + 2)  # x, the tanh layers, the sum: the same shape of problem
+    model = tanh_chain(LAYERS + 2, MIB)  # x, the tanh layers, the sum: the same shape of problem
     single = planners.frontier_cuts(model, [], range(LAYERS + 1)).predicted_peak_bytes
     budget = int(0.6 * single)
     with pytest.raises(mg.InfeasibleBudgetError):  # below every single-level plan
-        solvers.solve_greedy(budgets.BudgetProblem(graph=model, budget_bytes=budget,
+        solvers.solve_greedy(problem_lib.BudgetProblem(graph=model, budget_bytes=budget,
                                                    candidates=frozenset(range(LAYERS + 1))))
     nested_mib, got, levels = _measure(mg.Budget(bytes=budget, solver="revolve"))
     assert levels >= 2
@@ -294,10 +258,7 @@ def test_measured_peak_inside_tf_function():
     for checkpoints in ("memory", "budget:10MiB:revolve"):
         @tf.function
         def step(x, checkpoints=checkpoints):
-            h = x
-            for _ in range(100):
-                h = tf.tanh(h)
-            return mg.gradients(tf.reduce_sum(h), x, checkpoints=checkpoints)
+            return mg.gradients(tf.reduce_sum(tanh_layers(x, 100)), x, checkpoints=checkpoints)
 
         step(x)
         peak, values = measure.peak_bytes_of(lambda: step(x)[0].numpy())
@@ -308,15 +269,15 @@ def test_measured_peak_inside_tf_function():
 
 
 def test_single_level_solvers_fall_back_to_revolve_below_their_minimum():
-    g = _chain(64)
-    memory_min = budgets.score(budgets.BudgetProblem(g, 0), planners.frontier_cuts(
+    g = tanh_chain(64, MIB)
+    memory_min = problem_lib.score(problem_lib.BudgetProblem(g, 0), planners.frontier_cuts(
         g, (), range(g.num_nodes)).kept)[1]
-    problem = budgets.BudgetProblem(g, int(0.6 * memory_min))
+    problem = problem_lib.BudgetProblem(g, int(0.6 * memory_min))
     with pytest.raises(mg.InfeasibleBudgetError):
         solvers.solve_greedy(problem)
     for solver in ("greedy", "dp"):
         plan = solvers.solve(problem, solver)
-        assert plan.solver == "revolve" and plan.nested
+        assert plan.planner == "revolve" and plan.children
         assert plan.predicted_peak_bytes <= problem.budget_bytes
     with pytest.raises(mg.InfeasibleBudgetError) as raised:
         solvers.solve(problem.with_budget(1000), "greedy")

@@ -314,11 +314,11 @@ def test_small_batch_keras_applications_are_never_worse(application, monkeypatch
     SGD step, 2 inter-op threads): "speed" 1.07x/1.11x/1.47x tf.gradients' peak, "memory" 1.04x
     on InceptionResNetV2; measured here on one inter-op thread, gradients reduced: "speed"
     0.97x/1.01x/1.02x, "memory" 0.95x/1.03x/1.02x, all within the allocator's slack."""
-    from memsave_grads.bench import keras_models
+    from memsave_grads.bench import models
 
     graph = tf.Graph()
     with graph.as_default():
-        loss, weights = keras_models._application(  # pylint: disable=protected-access
+        loss, weights = models.keras_application(
             application, application, batch=1, image=96).build()
         theirs = tf_graph.ORIGINAL_GRADIENTS(loss, weights)
         reports = {s: mg.explain(loss, weights, checkpoints=s) for s in ("speed", "memory")}
@@ -335,11 +335,11 @@ def test_small_batch_keras_applications_are_never_worse(application, monkeypatch
 
 @pytest.mark.slow
 def test_a_larger_batch_is_still_recomputed():
-    from memsave_grads.bench import keras_models
+    from memsave_grads.bench import models
 
     graph = tf.Graph()
     with graph.as_default():
-        loss, weights = keras_models.resnet50(batch=4, image=128).build()
+        loss, weights = models.resnet50(batch=4, image=128).build()
         theirs = tf_graph.ORIGINAL_GRADIENTS(loss, weights)
         report = mg.explain(loss, weights, checkpoints="memory")
         ours = mg.gradients(loss, weights, checkpoints="memory")

@@ -9,7 +9,6 @@ import pytest
 import tensorflow as tf
 
 import memsave_grads as mg
-from memsave_grads import api
 
 
 def _deep_loss():

@@ -101,15 +101,15 @@ def _graph_of(ys):
 
 
 def _plan_levels(ys, xs, budget) -> int:
-    plan = api._prepare(ys, xs, None, budget, {}).selection.plan
-    return multilevel.NestedPlan(plan.kept, plan.nested).levels
+    plan = api._prepare(ys, xs, None, budget, {}).plan
+    return plan.levels
 
 
 def _revolve_budget(ys, xs) -> tuple:
     """(budget, nests): a revolve byte budget, nesting where some budget between revolve's
     smallest peak and the "memory" plan's does (on these small graphs it does for first-order
     chains, not for graphs that hold a backward pass)."""
-    single = api._prepare(ys, xs, None, "memory", {}).selection.plan.predicted_peak_bytes
+    single = api._prepare(ys, xs, None, "memory", {}).plan.predicted_peak_bytes
     try:
         api._prepare(ys, xs, None, mg.Budget(bytes=1, solver="revolve"), {})
     except mg.InfeasibleBudgetError as exc:
@@ -141,11 +141,8 @@ def _forced_nested_gradients(ys, xs, name):
     candidates, must_keep, not_replayed = ctx.node_sets()
     plan = multilevel.balanced_plan(ctx.model, must_keep, candidates, 2, not_replayed)
     assert plan.levels == 2, f"{name}: no 2-level plan on {len(ctx.region)} ops"
-    return stitch.backprop(
-        prepared.ys, prepared.xs, prepared.grad_ys, ctx.region,
-        {ctx.region[i] for i in plan.kept}, prepared.user_stops, prepared.tf_kwargs,
-        unconnected_zero=False, scope_prefix=f"{name}_memsave",
-        nested=stitch.nested_ops(plan.children, ctx.region))
+    prepared.scope = name
+    return api.run_plan(prepared, plan)
 
 
 def _checkpoints(strategy, ys, xs, interior):
@@ -170,7 +167,7 @@ def _budget_gradients(ys, xs, budget, name):
     try:
         return mg.gradients(ys, xs, checkpoints=budget, name=name)
     except mg.InfeasibleBudgetError as exc:
-        memory_peak = api._prepare(ys, xs, None, "memory", {}).selection.plan.predicted_peak_bytes
+        memory_peak = api._prepare(ys, xs, None, "memory", {}).plan.predicted_peak_bytes
         raised = mg.Budget(bytes=max(exc.min_feasible_bytes, memory_peak),
                            solver=getattr(budget, "solver", budgets.DEFAULT_SOLVER))
         return mg.gradients(ys, xs, checkpoints=raised, name=name)

@@ -1,7 +1,6 @@
 """Budget solvers on TensorFlow-free graph models: the MILP's relaxation and optimality proof
 against brute force, and the greedy heuristic against the proven optimum and the clock."""
 
-import dataclasses
 import itertools
 import math
 import random
@@ -10,61 +9,16 @@ import time
 import numpy as np
 import pytest
 
-from memsave_grads.core import budgets
+from memsave_grads.core.solvers import problem as problem_lib
 from memsave_grads import errors
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
 from memsave_grads.core import planners
 from memsave_grads.core import solvers
+from strategies import chain, matmul_tanh_problem, random_problem
 
 
-def _random_graph(rng: random.Random, n: int) -> graph_lib.ForwardGraph:
-    """A random DAG with branches, joins, views, variables and dead ends."""
-    inputs = [()]
-    for v in range(1, n):
-        preds = {rng.choice(range(max(0, v - 4), v)) for _ in range(rng.choice([1, 1, 1, 2, 2, 3]))}
-        if rng.random() < 0.1:
-            preds.add(rng.randrange(v))
-        inputs.append(tuple(sorted(preds)))
-    read = {p for preds in inputs for p in preds}
-    return graph_lib.ForwardGraph(
-        inputs=tuple(inputs),
-        size_bytes=tuple(rng.choice([0, 1, 2, 4, 8, 8, 16]) for _ in range(n)),
-        reads_source=tuple(not preds for preds in inputs),
-        feeds_sink=tuple(v == n - 1 or v not in read for v in range(n)),
-        grad_reads_inputs=tuple(rng.random() < 0.6 for _ in range(n)),
-        grad_reads_output=tuple(rng.random() < 0.4 for _ in range(n)),
-        views=tuple(rng.random() < 0.15 for _ in range(n)),
-        param_bytes=tuple(rng.choice([0, 0, 0, 3, 10]) for _ in range(n)),
-        flops=tuple(float(rng.choice([1, 2, 5, 10, 50])) for _ in range(n)),
-        **_model_options(rng, inputs))
-
-
-def _model_options(rng: random.Random, inputs) -> dict:
-    """Per-input gradient reads and buffer forwarding, where the graph model has them."""
-    fields = {f.name for f in dataclasses.fields(graph_lib.ForwardGraph)}
-    options = {}
-    if "unread_inputs" in fields:
-        options["unread_inputs"] = tuple(frozenset(p for p in preds if rng.random() < 0.3)
-                                         for preds in inputs)
-    if "forwards" in fields:
-        options["forwards"] = tuple(rng.random() < 0.4 for _ in inputs)
-    return options
-
-
-def _random_problem(seed: int, low: int = 5, high: int = 11) -> budgets.BudgetProblem:
-    rng = random.Random(seed)
-    n = rng.randint(low, high)
-    graph = _random_graph(rng, n)
-    must = frozenset(v for v in range(n) if rng.random() < 0.1)
-    not_replayed = frozenset(v for v in must if rng.random() < 0.5)
-    # As in gradients(): the ops producing the ys are not candidates (most of the time).
-    candidates = frozenset(v for v in range(n) if not graph.feeds_sink[v] or rng.random() < 0.2)
-    return budgets.BudgetProblem(graph, 0, must_keep=must, candidates=candidates,
-                                 not_replayed=not_replayed)
-
-
-def _closed_sets(problem: budgets.BudgetProblem) -> list[frozenset]:
+def _closed_sets(problem: problem_lib.BudgetProblem) -> list[frozenset]:
     """Every kept set a plan can have (closed for single ownership), each once."""
     free = sorted(problem.candidates - problem.must_keep)
     found = set()
@@ -75,8 +29,8 @@ def _closed_sets(problem: budgets.BudgetProblem) -> list[frozenset]:
     return sorted(found, key=sorted)
 
 
-def _brute_force(problem: budgets.BudgetProblem) -> dict[frozenset, tuple[int, float]]:
-    return {kept: budgets.score(problem, kept)[1:] for kept in _closed_sets(problem)}
+def _brute_force(problem: problem_lib.BudgetProblem) -> dict[frozenset, tuple[int, float]]:
+    return {kept: problem_lib.score(problem, kept)[1:] for kept in _closed_sets(problem)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,11 +42,11 @@ def _brute_force(problem: budgets.BudgetProblem) -> dict[frozenset, tuple[int, f
 def test_milp_rows_are_a_valid_relaxation(seed):
     """Every closed kept set satisfies every row of the MILP (its structural rows exactly, its
     memory rows with its own replayed peak as the budget): the MILP never cuts off a plan."""
-    problem = _random_problem(seed, 4, 9)
-    model = solvers._milp_model(problem)
+    problem = random_problem(seed, 4, 9)
+    model = solvers.milp._milp_model(problem)
     first = model["first_memory_row"]
     for kept, (peak, _) in _brute_force(problem).items():
-        z = solvers._natural_assignment(problem, model, kept)
+        z = solvers.milp._natural_assignment(problem, model, kept)
         values = model["matrix"] @ z
         assert np.all(values[:first] >= model["lower"][:first] - 1e-9), (seed, sorted(kept))
         assert np.all(values[:first] <= model["upper"][:first] + 1e-9), (seed, sorted(kept))
@@ -102,11 +56,8 @@ def test_milp_rows_are_a_valid_relaxation(seed):
 def test_milp_lower_bound_is_tight_on_a_chain():
     """Not a vacuous bound: on a chain of segments it finds most of the replay's peak."""
     n = 40
-    graph = graph_lib.ForwardGraph(
-        inputs=tuple(() if i == 0 else (i - 1,) for i in range(n)),
-        size_bytes=(1000,) * n, reads_source=(True,) + (False,) * (n - 1),
-        feeds_sink=(False,) * (n - 1) + (True,))
-    problem = budgets.BudgetProblem(graph, 0)
+    graph = chain(n, 1000)
+    problem = problem_lib.BudgetProblem(graph, 0)
     for kept in ({9, 19, 29}, {4, 9, 14, 19, 24, 29, 34}, {19}):
         closed = graph_lib.close_segments(graph, kept)
         peak = memory_model.plan_peak_bytes(graph, closed)
@@ -117,7 +68,7 @@ def test_milp_lower_bound_is_tight_on_a_chain():
 def test_milp_optimum_matches_brute_force(seed):
     """On tiny graphs (<= 12 nodes) the MILP's plan, when flagged optimal, is the cheapest
     kept set whose replayed peak fits, for budgets across the whole range."""
-    problem = _random_problem(100 + seed, 8, 12)
+    problem = random_problem(100 + seed, 8, 12)
     plans = _brute_force(problem)
     peaks = sorted({peak for peak, _ in plans.values()})
     proven = 0
@@ -152,19 +103,6 @@ def test_milp_does_not_claim_optimality_it_has_not_proven():
 # --------------------------------------------------------------------------------------------
 
 
-def _chain_problem(n=60, size=1000):
-    """matmul -> tanh pairs: the matmul's output costs 10x per byte."""
-    graph = graph_lib.ForwardGraph(
-        inputs=tuple(() if i == 0 else (i - 1,) for i in range(n)),
-        size_bytes=(size,) * n, reads_source=(True,) + (False,) * (n - 1),
-        feeds_sink=(False,) * (n - 1) + (True,),
-        expensive=tuple(i % 2 == 0 for i in range(n)),
-        grad_reads_inputs=tuple(i % 2 == 0 for i in range(n)),
-        grad_reads_output=tuple(i % 2 == 1 for i in range(n)),
-        flops=tuple(10.0 if i % 2 == 0 else 1.0 for i in range(n)))
-    return budgets.BudgetProblem(graph, 0, candidates=frozenset(range(n - 1)))
-
-
 def _layered_problem(depth=30, width=3, seed=0):
     """A residual stream with ``width``-op branches (matmul, activation, scale) that rejoin
     it; sizes and costs vary per block."""
@@ -192,11 +130,11 @@ def _layered_problem(depth=30, width=3, seed=0):
         inputs=tuple(inputs), size_bytes=tuple(sizes), reads_source=(True,) + (False,) * (n - 1),
         feeds_sink=(False,) * (n - 1) + (True,), grad_reads_inputs=tuple(reads_in),
         grad_reads_output=tuple(reads_out), flops=tuple(flops))
-    return budgets.BudgetProblem(graph, 0, candidates=frozenset(range(n - 1)))
+    return problem_lib.BudgetProblem(graph, 0, candidates=frozenset(range(n - 1)))
 
 
 SMALL_PROBLEMS = {
-    "chain": lambda: _chain_problem(60),
+    "chain": lambda: matmul_tanh_problem(60, gradient_reads=True),
     "residual": lambda: _layered_problem(depth=12, width=3),
 }
 
@@ -253,7 +191,7 @@ def test_greedy_solves_a_large_graph_in_under_a_second(fraction):
 def test_greedy_finds_plans_just_above_the_smallest_peak():
     """The DP seeds reach budgets where the cut search alone finds nothing (the tanh chain at
     45% of docs/budgets.md)."""
-    problem = _chain_problem(60)
+    problem = matmul_tanh_problem(60, gradient_reads=True)
     plain = memory_model.plain_peak_bytes(problem.graph)
     lowest = math.inf
     for fraction in np.linspace(0.2, 0.5, 13):
@@ -274,13 +212,13 @@ def test_dp_keeps_expensive_nodes_inside_segments():
     problem = problem.with_budget(int(0.6 * plain))
     search = planners.CutSearch(problem.graph, problem.must_keep, problem.candidates)
     positions = [p for p in range(problem.graph.num_nodes) if search.allowed[p]]
-    whole = solvers._dp_cuts(problem, search, positions, problem.budget_bytes)
-    keeping = solvers._dp_cuts(problem, search, positions, problem.budget_bytes, (None, 20.0))
+    whole = solvers.dp.dp_cuts(problem, search, positions, problem.budget_bytes)
+    keeping = solvers.dp.dp_cuts(problem, search, positions, problem.budget_bytes, (None, 20.0))
     assert whole[1] == set() and keeping[1]
     assert all(problem.graph.cost_of(v) >= 20.0 * problem.graph.size_bytes[v]
                for v in keeping[1])
-    _, peak_whole, cost_whole = budgets.score(problem, search.kept_for(whole[0]))
-    _, peak_keeping, cost_keeping = budgets.score(problem,
+    _, peak_whole, cost_whole = problem_lib.score(problem, search.kept_for(whole[0]))
+    _, peak_keeping, cost_keeping = problem_lib.score(problem,
                                                   search.kept_for(keeping[0]) | keeping[1])
     assert max(peak_whole, peak_keeping) <= problem.budget_bytes
     assert cost_keeping < cost_whole / 4

@@ -2,8 +2,11 @@
 
 Used by :func:`memsave_grads.optimize.minimize` (design note "early release" in
 docs/design.md). Like ``rewrite.py`` it adds control inputs to operations, which is private
-TensorFlow API (``Operation._add_control_inputs``, ``Operation._id``); it only ever adds them to
-operations created by the current ``minimize`` call, never to the user's forward graph.
+TensorFlow API (``Operation._add_control_inputs``); it only ever adds them to operations
+created by the current ``minimize`` call, never to the user's forward graph. The graph walks
+are ``_tf.graph.walk``; "newer than ``floor``" compares creation indices
+(``_tf.graph.creation_index``): a ``floor`` is :func:`last_op_id` taken before a phase
+(backprop, ``apply_gradients``) adds its ops.
 """
 
 from __future__ import annotations
@@ -14,28 +17,18 @@ from typing import Iterable, Sequence
 import tensorflow as tf
 from absl import logging
 
-#: Ops whose output is (a sum of) its inputs' values without new information: a gradient that
-#: comes out of one of them was allocated by the ops feeding it. Followed backward from a
-#: gradient to find the ops that allocate it (``tf.gradients`` wraps gradients in identities;
-#: partials are added with AddN).
-_PASS_THROUGH_OP_TYPES = frozenset({"Identity", "IdentityN", "AddN", "StopGradient"})
-
-#: Ops whose output shares its input's buffer: a consumer of one holds the variable's buffer
-#: as much as a direct reader of the variable does.
-_VIEW_OP_TYPES = frozenset({"Identity", "IdentityN", "StopGradient", "PreventGradient",
-                            "Reshape", "ExpandDims", "Squeeze"})
-
-_READ_OP_TYPES = frozenset({"ReadVariableOp"})
-
-
-def op_id(op: tf.Operation) -> int:
-    """Creation index of ``op`` in its graph (increasing: inputs are created first)."""
-    return op._id  # pylint: disable=protected-access
+from memsave_grads._tf import graph as tf_graph
+from memsave_grads.core import op_types
 
 
 def last_op_id(graph: tf.Graph) -> int:
     """The creation index of the newest op in ``graph`` (ops created later have larger ones)."""
-    return max((op_id(op) for op in graph.get_operations()), default=0)
+    return max((tf_graph.creation_index(op) for op in graph.get_operations()), default=0)
+
+
+def _newer_than(floor: int):
+    """``walk``'s ``include`` for ops made after ``floor`` (by this ``minimize`` call)."""
+    return lambda op: tf_graph.creation_index(op) > floor
 
 
 @dataclasses.dataclass
@@ -67,18 +60,16 @@ def _grad_ops(grad) -> list[tf.Operation]:
 def gradient_producers(grad, floor: int) -> list[tf.Operation]:
     """The ops newer than ``floor`` that allocate ``grad``: followed back through identities
     and partial sums to the ops computing the values (a weight gradient's MatMul)."""
-    seen, leaves, stack = set(), [], [op for op in _grad_ops(grad) if op_id(op) > floor]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        feeding = [t.op for t in op.inputs if op_id(t.op) > floor]
-        if op.type in _PASS_THROUGH_OP_TYPES and feeding:
-            stack.extend(feeding)
-        else:
-            leaves.append(op)
-    return sorted(leaves, key=op_id)
+    newer = _newer_than(floor)
+
+    def passes_on(op: tf.Operation) -> bool:
+        return (op.type in op_types.GRADIENT_PASS_THROUGH_OP_TYPES
+                and any(newer(t.op) for t in op.inputs))
+
+    followed = tf_graph.walk(_grad_ops(grad),
+                             lambda op: tf_graph.input_ops(op) if passes_on(op) else (),
+                             include=newer)
+    return sorted((op for op in followed if not passes_on(op)), key=tf_graph.creation_index)
 
 
 def update_ops(grad, handle: tf.Tensor, floor: int) -> tuple[list, list]:
@@ -90,44 +81,29 @@ def update_ops(grad, handle: tf.Tensor, floor: int) -> tuple[list, list]:
     gradient, such as ``momentum * m`` (which dataflow would compute at the start of the step
     and hold until the gradient arrives).
     """
-    stack = [c for op in _grad_ops(grad) for t in op.outputs for c in t.consumers()]
-    stack += list(handle.consumers())
-    fed = set()
-    while stack:
-        op = stack.pop()
-        if op in fed or op_id(op) <= floor:
-            continue
-        fed.add(op)
-        stack.extend(c for t in op.outputs for c in t.consumers())
-    every = set(fed)
-    stack = [t.op for op in fed for t in op.inputs] + [c for op in fed for c in op.control_inputs]
-    while stack:
-        op = stack.pop()
-        if op in every or op_id(op) <= floor:
-            continue
-        every.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return sorted(fed, key=op_id), sorted(every, key=op_id)
+    newer = _newer_than(floor)
+    seeds = [c for op in _grad_ops(grad) for c in tf_graph.consumer_ops(op)]
+    fed = set(tf_graph.walk(seeds + list(handle.consumers()), tf_graph.consumer_ops,
+                            include=newer))
+    needed = tf_graph.walk([dep for op in fed for dep in tf_graph.dependency_ops(op)],
+                           tf_graph.dependency_ops,
+                           include=lambda op: op not in fed and newer(op))
+    return (sorted(fed, key=tf_graph.creation_index),
+            sorted(fed.union(needed), key=tf_graph.creation_index))
 
 
 def value_readers(handle: tf.Tensor, floor: int) -> list[tf.Operation]:
     """Ops holding a value of the variable read at or before ``floor`` (the forward reads):
     consumers of those reads, and of views of them (identities, identity boundaries,
     reshapes)."""
-    readers, seen = [], set()
-    stack = [t for op in handle.consumers()
-             if op.type in _READ_OP_TYPES and op_id(op) <= floor for t in op.outputs]
-    while stack:
-        t = stack.pop()
-        for op in t.consumers():
-            if op in seen:
-                continue
-            seen.add(op)
-            readers.append(op)
-            if op.type in _VIEW_OP_TYPES:
-                stack.extend(op.outputs)
-    return sorted(readers, key=op_id)
+    reads = [op for op in handle.consumers()
+             if op.type in op_types.VARIABLE_READ_OP_TYPES
+             and tf_graph.creation_index(op) <= floor]
+    readers = tf_graph.walk(
+        [c for read in reads for c in tf_graph.consumer_ops(read)],
+        lambda op: (tf_graph.consumer_ops(op) if op.type in op_types.VALUE_VIEW_OP_TYPES
+                    else ()))
+    return sorted(readers, key=tf_graph.creation_index)
 
 
 def mark_early_roots(updates: Sequence[VariableUpdate]) -> None:
@@ -139,12 +115,12 @@ def mark_early_roots(updates: Sequence[VariableUpdate]) -> None:
             owners[op] = owners.get(op, 0) + 1
     for update in updates:
         fed = set(update.fed_ops)
+        # ``op.inputs`` leaves out sources (constants, placeholders): nothing to wait for there.
         candidates = {op for op in update.update_ops
-                      if owners[op] == 1 and op not in fed and op.inputs
-                      and op.type not in ("Placeholder", "Const")}
+                      if owners[op] == 1 and op not in fed and op.inputs}
         update.early_roots = sorted(
             (op for op in candidates if not any(t.op in candidates for t in op.inputs)),
-            key=op_id)
+            key=tf_graph.creation_index)
 
 
 def _sinks(ops: Sequence[tf.Operation]) -> list[tf.Operation]:
@@ -161,15 +137,7 @@ def _ancestors(ops: Iterable[tf.Operation], floor: int) -> set:
     Ops at or below ``floor`` existed before the ``minimize`` call; none of them was given new
     inputs, so they cannot depend on newer ops and the walk stops there.
     """
-    seen, stack = set(), [op for op in ops if op_id(op) > floor]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs if op_id(t.op) > floor and t.op not in seen)
-        stack.extend(c for c in op.control_inputs if op_id(c) > floor and c not in seen)
-    return seen
+    return set(tf_graph.walk(ops, tf_graph.dependency_ops, include=_newer_than(floor)))
 
 
 def _add_control_inputs(op: tf.Operation, deps: Sequence[tf.Operation]) -> None:
@@ -211,12 +179,13 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int) -> dict:
         # or a function call that does the update.
         writers = [op for op in update.update_ops
                    if any(t is update.handle for t in op.inputs)
-                   and op.type not in _READ_OP_TYPES]
+                   and op.type not in op_types.VARIABLE_READ_OP_TYPES]
         writer_set = set(writers)
         for reader in update.readers:
             if reader in writer_set:
                 continue
-            if op_id(reader) > grad_floor and writer_set & _ancestors([reader], grad_floor):
+            if (tf_graph.creation_index(reader) > grad_floor
+                    and writer_set & _ancestors([reader], grad_floor)):
                 stats["skipped_cycles"] += 1
                 continue
             for writer in writers:

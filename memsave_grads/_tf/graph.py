@@ -1,13 +1,14 @@
 """The one module that reads TensorFlow graph internals for analysis.
 
-It walks the forward graph, classifies operations (replayable or not), sizes tensors and turns
-the region between ``xs`` and ``ys`` into the TensorFlow-free :class:`ForwardGraph`. Anything
-private we depend on is named here (and in ``rewrite.py``), nowhere else.
+It walks the forward graph (:func:`walk`, the package's one graph walk), classifies operations
+(replayable or not), sizes tensors and turns the region between ``xs`` and ``ys`` into the
+TensorFlow-free :class:`ForwardGraph`. Anything private we depend on is named here (and in
+``rewrite.py``, ``stitch.py`` and ``early_release.py``, which add ops and edges), nowhere else.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
 
 import tensorflow as tf
 from tensorflow.python.framework import func_graph as func_graph_module
@@ -17,13 +18,72 @@ from tensorflow.python.ops import gradients_impl
 from tensorflow.python.ops import resource_variable_ops
 
 from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import op_types
 from memsave_grads.core import policies
+
+_Node = TypeVar("_Node")
 
 #: The real ``tf.compat.v1.gradients``, captured when this module is imported (a reference, not a
 #: patch): every gradient we build goes through it, so a patched ``tf.gradients`` never recurses.
 ORIGINAL_GRADIENTS = gradients_impl.gradients
 #: The real TF2 ``tf.gradients`` (``gradients_v2``: the same, without colocate_gradients_with_ops).
 ORIGINAL_GRADIENTS_V2 = gradients_impl.gradients_v2
+
+
+def walk(seeds: Iterable[_Node], neighbours: Callable[[_Node], Iterable[_Node]], *,
+         include: Callable[[_Node], bool] | None = None,
+         key: Callable[[_Node], Hashable] | None = None) -> Iterator[_Node]:
+    """Yield every node reachable from ``seeds`` through ``neighbours``, each once.
+
+    The package's one graph walk (as ``tf.contrib.graph_editor`` built its selections on one
+    forward and one backward walk): pass :func:`input_ops` or :func:`dependency_ops` to walk
+    upstream, :func:`consumer_ops` downstream, or any function of a node (tensors, function
+    names). A node that ``include`` rejects is neither yielded nor expanded, so it bounds the
+    walk (ops newer than a floor, ops of a region); a node whose ``neighbours`` are empty is
+    yielded but not crossed. ``key`` makes nodes hashable: tensors are not in TF 2, pass
+    ``key=tensor_key``.
+
+    Depth first, last seed first; callers that need an order sort by :func:`creation_index`.
+    Lazy: a caller that stops iterating (``any(...)``) stops the walk.
+    """
+    seen: set = set()
+    stack = list(seeds)
+    while stack:
+        node = stack.pop()
+        if include is not None and not include(node):
+            continue
+        node_key = node if key is None else key(node)
+        if node_key in seen:
+            continue
+        seen.add(node_key)
+        yield node
+        stack.extend(neighbours(node))
+
+
+def input_ops(op: tf.Operation) -> list[tf.Operation]:
+    """The ops whose outputs ``op`` reads (data edges): one step upstream."""
+    return [t.op for t in op.inputs]
+
+
+def dependency_ops(op: tf.Operation) -> list[tf.Operation]:
+    """The ops ``op`` waits for: data inputs and control inputs."""
+    return input_ops(op) + list(op.control_inputs)
+
+
+def consumer_ops(op: tf.Operation) -> list[tf.Operation]:
+    """The ops reading an output of ``op`` (data edges): one step downstream."""
+    return [c for t in op.outputs for c in t.consumers()]
+
+
+def tensor_key(t: tf.Tensor):
+    """A hashable stand-in for ``t`` (TF 2 tensors are not hashable): :func:`walk`'s ``key``."""
+    return t.ref()
+
+
+def creation_index(op: tf.Operation) -> int:
+    """Creation index of ``op`` in its graph. Inputs are created before their consumers, so
+    sorting by it gives a topological order of data edges."""
+    return op._id  # pylint: disable=protected-access
 
 
 def colocated_with(op: tf.Operation):
@@ -34,7 +94,8 @@ def colocated_with(op: tf.Operation):
 
 def is_function_call(op: tf.Operation) -> bool:
     """An op that runs a graph function: a tf.function call, or a function-typed op."""
-    return op.type in CALL_OP_TYPES or op.graph._is_function(op.type)  # pylint: disable=protected-access
+    return (op.type in op_types.FUNCTION_CALL_OP_TYPES
+            or op.graph._is_function(op.type))  # pylint: disable=protected-access
 
 
 def _no_gradient(op, *unused_output_grads):
@@ -128,17 +189,9 @@ def captured_value(t: tf.Tensor):
 def _depends_on(t, x_refs: set) -> bool:
     """Whether ``t`` is computed from a tensor in ``x_refs``, following data edges and, out of
     function graphs, captures (as tf.gradients' walk does)."""
-    seen, stack = set(), [t]
-    while stack:
-        t = stack.pop()
-        if t is None or is_eager_tensor(t) or t.ref() in seen:
-            continue
-        seen.add(t.ref())
-        if t.ref() in x_refs:
-            return True
-        stack.append(captured_value(t))
-        stack.extend(t.op.inputs)
-    return False
+    upstream = walk([t], lambda u: [captured_value(u), *u.op.inputs],
+                    include=lambda u: u is not None and not is_eager_tensor(u), key=tensor_key)
+    return any(tensor_key(u) in x_refs for u in upstream)
 
 
 def is_captured_value(given, seen) -> bool:
@@ -157,20 +210,16 @@ def crossing_captures(ys: Sequence[tf.Tensor], outer_xs: Sequence[tf.Tensor],
     if not x_refs:
         return []
     stop_ops = set(stop_ops)
-    found, seen, stack = [], set(), [y.op for y in ys]
-    while stack:
-        op = stack.pop()
-        if op in seen or op in stop_ops:
-            continue
-        seen.add(op)
-        if op.type == "Placeholder":
-            value = captured_value(op.outputs[0])
-            if (value is not None and not is_eager_tensor(value) and carries_gradients(value)
-                    and value.dtype != tf.resource and _depends_on(value, x_refs)):
-                found.append(op.outputs[0])
-        stack.extend(t.op for t in op.inputs)
-    found.sort(key=lambda t: t.op._id)  # pylint: disable=protected-access
-    return found
+
+    def carries_x_out(placeholder: tf.Tensor) -> bool:
+        value = captured_value(placeholder)
+        return (value is not None and not is_eager_tensor(value) and carries_gradients(value)
+                and value.dtype != tf.resource and _depends_on(value, x_refs))
+
+    upstream = walk([y.op for y in ys], input_ops, include=lambda op: op not in stop_ops)
+    found = [op.outputs[0] for op in upstream
+             if op.type == "Placeholder" and carries_x_out(op.outputs[0])]
+    return sorted(found, key=lambda t: creation_index(t.op))
 
 
 def is_function_graph(graph) -> bool:
@@ -202,28 +251,10 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
     lies beyond them is constant with respect to ``xs``.
     """
     stop_ops = set(stop_ops)
-    downstream: set[tf.Operation] = set()
-    frontier = [c for x in xs for c in x.consumers()]
-    while frontier:
-        op = frontier.pop()
-        if op in downstream:
-            continue
-        downstream.add(op)
-        if op in stop_ops:
-            continue
-        for out in op.outputs:
-            frontier.extend(c for c in out.consumers() if c not in downstream)
-    upstream: set[tf.Operation] = set()
-    frontier = [y.op for y in ys]
-    while frontier:
-        op = frontier.pop()
-        if op in upstream or op not in downstream:
-            continue
-        upstream.add(op)
-        frontier.extend(t.op for t in op.inputs if t.op not in upstream)
-    region = [op for op in upstream if op not in stop_ops]
-    region.sort(key=lambda op: op._id)  # creation order is a topological order of data edges
-    return region
+    downstream = set(walk([c for x in xs for c in x.consumers()],
+                          lambda op: () if op in stop_ops else consumer_ops(op)))
+    upstream = walk([y.op for y in ys], input_ops, include=downstream.__contains__)
+    return sorted((op for op in upstream if op not in stop_ops), key=creation_index)
 
 
 def uses_v1_control_flow(op: tf.Operation) -> bool:
@@ -232,7 +263,7 @@ def uses_v1_control_flow(op: tf.Operation) -> bool:
     Only while and cond contexts count: a call of a ``tf.function(jit_compile=True)`` (Keras'
     grouped convolutions) carries an ``XLAControlFlowContext``, which is not control flow.
     """
-    return (op.type in policies.V1_CONTROL_FLOW_OP_TYPES
+    return (op.type in op_types.V1_CONTROL_FLOW_OP_TYPES
             or control_flow_util.IsInWhileLoop(op) or control_flow_util.IsInCond(op))
 
 
@@ -250,42 +281,44 @@ def is_replayable(op: tf.Operation) -> bool:
         return False
 
 
-#: Ops that call a function by name in their ``f`` attribute (a ``tf.function`` called while
-#: another graph is traced; Keras' grouped convolutions call a ``jit_compile`` one).
-CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+def _function_nodes(graph, name: str) -> list:
+    """The ``NodeDef``s of the graph function ``name`` as ``graph`` sees it, or ``[]``."""
+    while graph is not None:  # a FuncGraph looks outward for it
+        function = graph._get_function(name)  # pylint: disable=protected-access
+        if function is not None:
+            return list(function.cached_definition.node_def)
+        graph = getattr(graph, "outer_graph", None)
+    return []
 
 
-def _called_function_ops(op: tf.Operation) -> list[str]:
-    """Op types inside the function a call op runs (nested calls included), or ``[]``."""
-    found, pending, seen = [], [op.get_attr("f").name], set()
-    while pending:
-        name = pending.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        graph, function = op.graph, None
-        while graph is not None and function is None:  # a FuncGraph looks outward for it
-            function = graph._get_function(name)  # pylint: disable=protected-access
-            graph = getattr(graph, "outer_graph", None)
-        if function is None:
-            continue
-        for node in function.cached_definition.node_def:
-            found.append(node.op)
-            if node.op in CALL_OP_TYPES:
-                pending.append(node.attr["f"].func.name)
-    return found
+def _called_op_types(call: tf.Operation) -> list[str]:
+    """Op types inside the function a call op runs, nested calls included."""
+    nodes_of: dict[str, list] = {}
+
+    def called_functions(name: str) -> list[str]:
+        nodes_of[name] = _function_nodes(call.graph, name)
+        return [node.attr["f"].func.name for node in nodes_of[name]
+                if node.op in op_types.FUNCTION_CALL_OP_TYPES]
+
+    names = list(walk([call.get_attr("f").name], called_functions))
+    return [node.op for name in names for node in nodes_of[name]]
+
+
+def op_types_run(op: tf.Operation) -> list[str]:
+    """The types of the ops that running ``op`` runs: its own and, for a function call, those
+    of the function (nested calls included; none where the function cannot be read)."""
+    if op.type not in op_types.FUNCTION_CALL_OP_TYPES:
+        return [op.type]
+    try:
+        return [op.type, *_called_op_types(op)]
+    except (AttributeError, ValueError):
+        return [op.type]
 
 
 def is_expensive(op: tf.Operation) -> bool:
-    """A matmul/convolution/einsum op, or a call of a function that runs one."""
-    if policies.is_expensive_op_type(op.type):
-        return True
-    if op.type in CALL_OP_TYPES:
-        try:
-            return any(policies.is_expensive_op_type(t) for t in _called_function_ops(op))
-        except (AttributeError, ValueError):
-            return False
-    return False
+    """A matmul/convolution/einsum op, or a call of a function that runs one: what the
+    ``"speed"`` policy keeps, and what the planners prefer to keep (``ForwardGraph.expensive``)."""
+    return policies.keeps_for_speed(op_types_run(op))
 
 
 def tensor_bytes(t: tf.Tensor) -> int:
@@ -354,26 +387,26 @@ def op_flops(op: tf.Operation) -> float:
     op counts one per element of its largest input or output (elementwise ops, reductions,
     copies). Aliases of resident memory (variable reads, constants) cost nothing.
     """
-    if op.type in policies.ALIAS_OP_TYPES or not op.outputs:
+    if op.type in op_types.ALIAS_OP_TYPES or not op.outputs:
         return 0.0
     out = op.outputs[0].shape
     try:
-        if op.type in ("MatMul", "_FusedMatMul", "SparseMatMul"):
+        if op.type in op_types.MATMUL_OP_TYPES:
             transpose = op.get_attr("transpose_a")
             return 2.0 * _elements(out) * _dim(op.inputs[0].shape, 0 if transpose else 1)
-        if op.type.startswith("BatchMatMul"):
+        if op.type in op_types.BATCH_MATMUL_OP_TYPES:
             adjoint = op.get_attr("adj_x")
             return 2.0 * _elements(out) * _dim(op.inputs[0].shape, -2 if adjoint else -1)
-        if op.type in ("Conv1D", "Conv2D", "Conv3D", "_FusedConv2D", "FusedConv2DBiasActivation"):
+        if op.type in op_types.CONVOLUTION_OP_TYPES:
             kernel = op.inputs[1].shape  # [*spatial, in/groups, out]
             return 2.0 * _elements(out) * _elements(kernel) / max(_dim(kernel, -1), 1)
-        if op.type == "DepthwiseConv2dNative":
+        if op.type in op_types.DEPTHWISE_CONVOLUTION_OP_TYPES:
             kernel = op.inputs[1].shape  # [h, w, in, multiplier]
             return 2.0 * _elements(out) * _dim(kernel, 0) * _dim(kernel, 1)
-        if op.type in ("Conv2DBackpropInput", "Conv3DBackpropInputV2"):  # transposed conv
+        if op.type in op_types.TRANSPOSED_CONVOLUTION_OP_TYPES:
             kernel, grad = op.inputs[1].shape, op.inputs[2].shape  # kernel [*s, out, in]
             return 2.0 * _elements(grad) * _elements(kernel) / max(_dim(kernel, -1), 1)
-        if op.type in ("Einsum", "XlaEinsum"):
+        if op.type in op_types.EINSUM_OP_TYPES:
             return _einsum_flops(op)
     except (ValueError, TypeError):  # an attr or shape we cannot read: fall back to elements
         pass
@@ -398,10 +431,10 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
         reads_source.append(any(t.ref() in x_refs for t in op.inputs))
         params.append(sum(tensor_bytes(t) for t in op.inputs
                           if t.dtype != tf.resource and (t.ref() in x_refs or (
-                              t.op in index and t.op.type in policies.ALIAS_OP_TYPES))))
+                              t.op in index and t.op.type in op_types.ALIAS_OP_TYPES))))
     # Which inputs each gradient reads: an input needed only for a constant's gradient is not
     # read (``0.5 * x``), since that gradient is pruned from the step.
-    reads_inputs = [policies.gradient_reads_inputs(op.type) for op in region]
+    reads_inputs = [op_types.gradient_reads_inputs(op.type) for op in region]
     unread = []
     for op in region:
         differentiable = [carries_gradients(t) and (t.op in index or t.ref() in x_refs)
@@ -410,28 +443,29 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
         for i, t in enumerate(op.inputs):
             if t.op in index:
                 read[index[t.op]] = read.get(index[t.op], False) or \
-                    policies.gradient_reads_input(op.type, i, differentiable)
+                    op_types.gradient_reads_input(op.type, i, differentiable)
         unread.append(frozenset(p for p, r in read.items() if not r))
     # A view (reshape, identity) costs no bytes, but "reads" its input whenever a consumer's
     # gradient reads the view: that keeps the shared buffer alive in the memory model.
     for i in reversed(range(len(region))):
-        if region[i].type in policies.VIEW_OP_TYPES:
+        if region[i].type in op_types.MEMORY_MODEL_VIEW_OP_TYPES:
             reads_inputs[i] = any(reads_inputs[index[c]] and i not in unread[index[c]]
                                   for t in region[i].outputs for c in t.consumers() if c in index)
     return graph_lib.ForwardGraph(
         inputs=tuple(inputs),
-        size_bytes=tuple(0 if op.type in policies.ALIAS_OP_TYPES else op_bytes(op)
+        size_bytes=tuple(0 if op.type in op_types.ALIAS_OP_TYPES else op_bytes(op)
                          for op in region),
         reads_source=tuple(reads_source),
         feeds_sink=tuple(op in y_ops for op in region),
         names=tuple(op.name for op in region),
         expensive=tuple(is_expensive(op) for op in region),
         grad_reads_inputs=tuple(reads_inputs),
-        grad_reads_output=tuple(policies.gradient_reads_output(op.type) for op in region),
+        grad_reads_output=tuple(op_types.gradient_reads_output(op.type) for op in region),
         param_bytes=tuple(params),
-        views=tuple(op.type in policies.VIEW_OP_TYPES for op in region),
+        views=tuple(op.type in op_types.MEMORY_MODEL_VIEW_OP_TYPES for op in region),
         flops=tuple(op_flops(op) for op in region),
         unread_inputs=tuple(frozenset(u) if reads else frozenset()
                             for u, reads in zip(unread, reads_inputs)),
-        forwards=tuple(policies.forwards_input_buffer(op.type) for op in region),
+        forwards=tuple(op_types.forwards_input_buffer(op.type) for op in region),
+        no_gradient=tuple(not any(carries_gradients(t) for t in op.outputs) for op in region),
     )

@@ -2,7 +2,7 @@
 
 ``tf.contrib.graph_editor`` is gone; we create each copy with ``Graph._create_op_internal``
 (measured in docs/design.md to reproduce MatMul, Conv2D, FusedBatchNorm, gathers and
-If/While ops exactly). This and ``tf_graph.py`` are the only modules touching private TF API.
+If/While ops exactly). Private TF API is used only under ``_tf/``.
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import control_flow_util_v2
 
+from memsave_grads.core import op_types
+
 _function_counter = itertools.count()
 
 #: Attributes on If/While ops that cache their FuncGraphs. A copy must not share them: the
 #: gradient of cond_v2/while_v2 rewrites the forward op's function graphs in place, so a shared
 #: cache would let the copy's gradient rewrite the original (docs/design.md, note "func graphs").
 #: Without the cache the gradient code rebuilds fresh FuncGraphs from the function library.
-#: Ops whose gradient adds inputs to the forward op (while_v2 accumulators).
-_INPUTS_APPENDED_LATER = frozenset({"While", "StatelessWhile"})
-
 _CACHED_FUNC_GRAPH_ATTRS = ("_true_graph", "_false_graph", "_cond_graph", "_body_graph",
                             "_branch_graphs")
 
@@ -58,7 +57,7 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
                      if c in copies or c.graph is graph]
             if not any(t.op in copies for t in op.inputs):
                 extra.extend(control_inputs)
-            if extra and op.type in _INPUTS_APPENDED_LATER:
+            if extra and op.type in op_types.WHILE_OP_TYPES:
                 # while_v2's gradient appends accumulator inputs to the forward While op; a
                 # NodeDef whose data inputs follow control inputs is invalid in a Session. The
                 # inputs wait instead, through identities (free: views of the same buffers).
@@ -105,7 +104,7 @@ _FUNCTION_ATTRS = {
 
 
 def _input_shapes(op: tf.Operation) -> list:
-    if op.type.endswith("While"):
+    if op.type in op_types.WHILE_OP_TYPES:
         return [tf.TensorShape(s) for s in op.get_attr("output_shapes")]
     return [t.shape for t in op.inputs[1:]]  # If: the first input is the predicate
 

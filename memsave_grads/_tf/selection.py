@@ -8,7 +8,7 @@ never leaves a half-rewritten graph behind.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import tensorflow as tf
 from absl import logging
@@ -18,10 +18,11 @@ from memsave_grads.core import budgets
 from memsave_grads import errors
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
-from memsave_grads.core import multilevel
+from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import planners
 from memsave_grads.core import policies
 from memsave_grads.core import solvers
+from memsave_grads.core.solvers import problem as problem_lib
 
 COLLECTION_NAME = "checkpoints"
 
@@ -36,8 +37,6 @@ class SelectionContext:
     ys: list[tf.Tensor]
     must_keep: set[tf.Operation]
     _model: graph_lib.ForwardGraph | None = None
-    #: Set by planners that make one (``"memory"``, budgets), for reports.
-    plan: planners.CutPlan | budgets.BudgetPlan | None = None
     _workspace: list[int] | None = None
     _needs_gradient: set | None = None
 
@@ -134,7 +133,7 @@ def select_speed(ctx: SelectionContext) -> set[tf.Operation]:
     return chosen
 
 
-def select_memory(ctx: SelectionContext) -> set[tf.Operation]:
+def select_memory(ctx: SelectionContext) -> plan_lib.Plan:
     """Cuts where the live frontier is small, placed to minimise the predicted peak
     (planners.frontier_cuts); works through skip connections of any DAG."""
     candidates, must_keep, not_replayed = ctx.node_sets()
@@ -145,11 +144,10 @@ def select_memory(ctx: SelectionContext) -> set[tf.Operation]:
             "keeps only tensors that may be checkpoints (the graph is a single op, or ys are "
             "read by other forward ops)",
             "Pass checkpoints='speed', or a list of tensors to keep, or use tf.gradients.")
-    ctx.plan = plan
-    return {ctx.region[i] for i in plan.kept} - set(ctx.must_keep)
+    return plan
 
 
-def select_budget(ctx: SelectionContext, budget: budgets.Budget) -> set[tf.Operation]:
+def select_budget(ctx: SelectionContext, budget: budgets.Budget) -> plan_lib.Plan:
     """The plan that recomputes least while its predicted peak fits ``budget`` (solvers)."""
     if budget.bytes is not None and ctx.unknown_dimensions:
         raise errors.InvalidArgumentError(
@@ -162,16 +160,15 @@ def select_budget(ctx: SelectionContext, budget: budgets.Budget) -> set[tf.Opera
         model = dataclasses.replace(model, flops=budgets.calibrated_costs(
             model.names, model.flops, budget.op_seconds))
     candidates, must_keep, not_replayed = ctx.node_sets()
-    problem = budgets.BudgetProblem(
+    problem = problem_lib.BudgetProblem(
         graph=model, budget_bytes=budget.resolve_bytes(memory_model.plain_peak_bytes(model)),
         must_keep=frozenset(must_keep), candidates=frozenset(candidates),
         not_replayed=frozenset(not_replayed))
-    plan = solvers.solve(problem, budget.solver)
-    ctx.plan = plan
-    return {ctx.region[i] for i in plan.kept} - set(ctx.must_keep)
+    return solvers.solve(problem, budget.solver)
 
 
-STRATEGIES: dict[str, Callable[[SelectionContext], set[tf.Operation]]] = {
+#: Each strategy returns the ops to keep, or (planners) a whole plan.
+STRATEGIES: dict[str, Callable[[SelectionContext], set[tf.Operation] | plan_lib.Plan]] = {
     "collection": select_collection,
     "speed": select_speed,
     "memory": select_memory,
@@ -184,7 +181,12 @@ def _describe(value) -> str:
 
 
 def select_explicit(ctx: SelectionContext, items: Sequence) -> set[tf.Operation]:
-    """A list of tensors and/or name patterns (see policies.matches_tensor for the rule)."""
+    """A list of tensors and/or name patterns (see policies.matches_tensor for the rule).
+
+    ``items`` has the form ``_validate.check_checkpoints`` accepts (graph tensors and
+    well-formed patterns, at least one); here each is checked against the graph: a tensor of
+    ys' graph, between xs and ys; a pattern that matches some op there.
+    """
     region_set = set(ctx.region)
     x_refs = {t.ref() for t in ctx.xs}
     y_refs = {t.ref() for t in ctx.ys}
@@ -192,12 +194,6 @@ def select_explicit(ctx: SelectionContext, items: Sequence) -> set[tf.Operation]
     for position, item in enumerate(items):
         where = f"checkpoints[{position}]"
         if isinstance(item, str):
-            problem = policies.pattern_error(item)
-            if problem:
-                raise errors.InvalidArgumentError(
-                    f"{where}: malformed name pattern {item!r}: {problem}. Patterns are "
-                    "shell-style globs over op names ('block*/add') or tensor names "
-                    "('block*/add:0').")
             matched = {op for op in ctx.region
                        if any(policies.matches_tensor(item, op.name, t.value_index)
                               for t in op.outputs)} - ctx.endpoint_ops
@@ -208,14 +204,6 @@ def select_explicit(ctx: SelectionContext, items: Sequence) -> set[tf.Operation]
                     f"tensor instead of a pattern.")
             chosen |= matched
             continue
-        if tf_graph.is_resource_variable(item) or not isinstance(item, tf.Tensor):
-            raise errors.InvalidTypeError(
-                f"{where}: expected a tf.Tensor of the forward pass or a name pattern (str), "
-                f"got {type(item).__name__}: {_describe(item)}. Pass the activation tensor.")
-        if tf_graph.is_eager_tensor(item):
-            raise errors.InvalidTypeError(
-                f"{where}: got an eager tensor (a value, not part of a graph). Pass the graph "
-                "tensor built in the same graph or tf.function as ys.")
         if item.graph is not ctx.graph:
             raise errors.InvalidArgumentError(
                 f"{where}: the tensor {item.name!r} belongs to another graph than ys. Pass "
@@ -234,45 +222,47 @@ def select_explicit(ctx: SelectionContext, items: Sequence) -> set[tf.Operation]
                 f"{where}: the tensor {item.name!r} is not on any path from xs to ys, so keeping "
                 "it cannot save memory. Choose a tensor that depends on xs and that ys depend on.")
         chosen.add(item.op)
-    if not chosen:
-        raise errors.InvalidArgumentError(
-            "checkpoints: got an empty list. Pass at least one tensor or pattern, or a strategy "
-            f"name ({', '.join(sorted(STRATEGIES))}).")
     return chosen
 
 
 def select(ctx: SelectionContext, checkpoints) -> set[tf.Operation]:
-    """Dispatch on the form of ``checkpoints``: strategy name, or a list of tensors/patterns."""
+    """Dispatch on the form of ``checkpoints``: a budget, a strategy name, or a list of
+    tensors/patterns. Its form was checked by ``_validate.check_checkpoints`` (the one owner
+    of those checks and their messages) before any graph was read."""
     if isinstance(checkpoints, budgets.Budget):
         return select_budget(ctx, checkpoints)
     if budgets.is_budget_string(checkpoints):
         return select_budget(ctx, budgets.Budget.parse(checkpoints))
     if isinstance(checkpoints, str):
-        strategy = STRATEGIES.get(checkpoints)
-        if strategy is None:
-            raise errors.UnknownStrategyError(
-                f"checkpoints: unknown strategy {checkpoints!r}. Expected one of "
-                f"{sorted(STRATEGIES)}, a budget ('budget:4GiB', 'budget:50%'), a list of "
-                "tensors, or a list of name patterns (a single pattern must be wrapped in a "
-                "list).")
-        return strategy(ctx)
+        return STRATEGIES[checkpoints](ctx)
     if isinstance(checkpoints, tf.Tensor):
         checkpoints = [checkpoints]
-    if isinstance(checkpoints, (list, tuple)):
-        return select_explicit(ctx, checkpoints)
-    raise errors.InvalidTypeError(
-        f"checkpoints: expected a strategy name ({', '.join(sorted(STRATEGIES))}), a "
-        f"memsave_grads.Budget, a list of tensors or a list of name patterns, got "
-        f"{type(checkpoints).__name__}: "
-        f"{_describe(checkpoints)}.")
+    return select_explicit(ctx, checkpoints)
 
 
-def single_owner(ctx: SelectionContext, kept: set[tf.Operation]) -> set[tf.Operation]:
-    """``kept`` plus the ops that would otherwise be recomputed in two segments
-    (graph.close_segments)."""
+def make_plan(ctx: SelectionContext, checkpoints) -> plan_lib.Plan:
+    """The plan ``checkpoints`` makes on ``ctx``: what the strategy chose (or the planner's
+    plan), plus the ops kept anyway, closed for single ownership (design note "single owner":
+    ``graph.close_segments``), in node numbers of ``ctx.model``."""
+    chosen = select(ctx, checkpoints)
+    _, must_keep, _ = ctx.node_sets()
+    if isinstance(chosen, plan_lib.Plan):  # planners close their plans themselves
+        return chosen.replace(chosen=chosen.kept - set(must_keep))
+    return keep_ops(ctx, chosen, _planner_name(checkpoints))
+
+
+def keep_ops(ctx: SelectionContext, ops: Iterable[tf.Operation], planner: str) -> plan_lib.Plan:
+    """The plan that keeps ``ops`` (and the ops kept anyway), closed for single ownership."""
     index = {op: i for i, op in enumerate(ctx.region)}
-    closed = graph_lib.close_segments(ctx.model, [index[op] for op in kept if op in index])
-    return kept | {ctx.region[i] for i in closed}
+    _, must_keep, not_replayed = ctx.node_sets()
+    chosen = {index[op] for op in ops if op in index}
+    kept = graph_lib.close_segments(ctx.model, chosen | set(must_keep))
+    return plan_lib.Plan(kept, not_replayed, chosen=frozenset(chosen - set(must_keep)),
+                         planner=planner)
+
+
+def _planner_name(checkpoints) -> str:
+    return checkpoints if isinstance(checkpoints, str) else "explicit"
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,7 +296,7 @@ class ScheduleDecision:
     scratch_bytes: int = 0
 
 
-def _predicted_peaks(ctx: SelectionContext, kept: set[tf.Operation],
+def _predicted_peaks(ctx: SelectionContext, plan: plan_lib.Plan,
                      scratch_factor: int = 1) -> tuple[int, int, int]:
     """(plan, plain tf.gradients, largest scratch): the memory model's peaks, with the gradient
     kernels' scratch (the plan's multiplied by ``scratch_factor``). With unknown dimensions
@@ -319,21 +309,11 @@ def _predicted_peaks(ctx: SelectionContext, kept: set[tf.Operation],
     model = ctx.model
     if ctx.unknown_dimensions:
         model = dataclasses.replace(model, param_bytes=())
-    index = {op: i for i, op in enumerate(ctx.region)}
-    nodes = {index[op] for op in kept if op in index}
-    not_replayed = {i for i in nodes if not tf_graph.is_replayable(ctx.region[i])}
-    nested = getattr(ctx.plan, "nested", None)
-    if nested:  # the multi-level replay takes no scratch: bound it by the largest step's
-        plan = multilevel.replay(model, multilevel.NestedPlan(frozenset(nodes), nested),
-                                 not_replayed)[0] + scratch_factor * scratch
-    else:
-        plan = memory_model.plan_peak_bytes(model, nodes, not_replayed,
-                                            workspace_bytes=plan_workspace)
-    return plan, memory_model.plain_peak_bytes(model, workspace), scratch
+    peak, _ = memory_model.plan_peak_and_cost(model, plan, plan_workspace)
+    return peak, memory_model.plain_peak_bytes(model, workspace), scratch
 
 
-def decide_schedule(ctx: SelectionContext, checkpoints, chosen: set[tf.Operation],
-                    kept: set[tf.Operation]) -> ScheduleDecision:
+def decide_schedule(ctx: SelectionContext, checkpoints, plan: plan_lib.Plan) -> ScheduleDecision:
     """The never-worse rule (docs/design.md, note "never worse"), logged at vlog(1).
 
     Automatic strategies (``"memory"``, ``"speed"``, budgets) and ``"collection"`` keep plain
@@ -346,42 +326,42 @@ def decide_schedule(ctx: SelectionContext, checkpoints, chosen: set[tf.Operation
     if not NEVER_WORSE_RULE:
         return ScheduleDecision(True, "the never-worse rule is switched off")
     explicit = isinstance(checkpoints, (list, tuple, tf.Tensor))
-    if not explicit and not chosen - ctx.must_keep:
+    if not explicit and not plan.chosen:
         return _logged(checkpoints, ScheduleDecision(
             False, "the strategy keeps nothing beyond the tensors kept anyway (variable reads, "
             "stateful ops, xs), so its plan is plain tf.gradients"))
-    plan, plain, scratch = _predicted_peaks(ctx, kept)
-    predicted = (f"predicted peak {budgets.format_bytes(plan)} against tf.gradients' "
+    peak, plain, scratch = _predicted_peaks(ctx, plan)
+    predicted = (f"predicted peak {budgets.format_bytes(peak)} against tf.gradients' "
                  f"{budgets.format_bytes(plain)}"
                  + (f", gradient kernels' scratch of up to {budgets.format_bytes(scratch)} "
                     "included" if scratch else "")
                  + (", per unit of the unknown dimensions, variables' gradients left out"
                     if ctx.unknown_dimensions else ""))
     if explicit:
-        if plan > plain:
+        if peak > plain:
             logging.warning(
                 "memsave_grads: the explicit checkpoints are predicted to peak above plain "
                 "tf.gradients (%s); keeping them as asked. Pass checkpoints='memory' to choose "
                 "them automatically.", predicted)
         return _logged(checkpoints, ScheduleDecision(
-            True, f"explicit checkpoints are kept as given ({predicted})", plan, plain, scratch))
-    if plan > NEVER_WORSE_PEAK_FRACTION * plain:
+            True, f"explicit checkpoints are kept as given ({predicted})", peak, plain, scratch))
+    if peak > NEVER_WORSE_PEAK_FRACTION * plain:
         return _logged(checkpoints, ScheduleDecision(
             False, f"the plan is not predicted to peak at least "
-            f"{1 - NEVER_WORSE_PEAK_FRACTION:.0%} below tf.gradients ({predicted})", plan,
+            f"{1 - NEVER_WORSE_PEAK_FRACTION:.0%} below tf.gradients ({predicted})", peak,
             plain, scratch))
     # BFC hands out a free chunk whole unless it is at least twice the request: a scratch
     # buffer may hold up to twice its size (traced: 15.6 and 20.2 MiB requests held 30.5 and
     # 34.0 MiB), which at a small batch is more than the activations a plan saves.
     if scratch:
-        doubled, _, _ = _predicted_peaks(ctx, kept, scratch_factor=2)
+        doubled, _, _ = _predicted_peaks(ctx, plan, scratch_factor=2)
         if doubled > plain:
             return _logged(checkpoints, ScheduleDecision(
                 False, f"with each scratch buffer held twice over, as the allocator may, the "
                 f"plan is predicted to peak at {budgets.format_bytes(doubled)}, above "
-                f"tf.gradients ({predicted})", plan, plain, scratch))
+                f"tf.gradients ({predicted})", peak, plain, scratch))
     return _logged(checkpoints, ScheduleDecision(
-        True, f"the plan is predicted to beat tf.gradients ({predicted})", plan, plain, scratch))
+        True, f"the plan is predicted to beat tf.gradients ({predicted})", peak, plain, scratch))
 
 
 def _logged(checkpoints, decision: ScheduleDecision) -> ScheduleDecision:

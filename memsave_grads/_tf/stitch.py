@@ -1,24 +1,20 @@
-"""Backpropagate segment by segment and add up the partials.
+"""Run a schedule in TensorFlow: backpropagate segment by segment and add up the partials.
 
-The forward region is cut at the *kept* ops (checkpoints, stateful ops, intermediate ``xs``).
-Each kept op owns a *segment*: itself plus the region ops above it that are not kept. The
-segments feeding ``ys`` directly form the *top* segment, which is not copied: its activations
-are the last ones computed and backprop starts with them, so recomputing them would only cost
-time.
-
-Order (design note "levels" in docs/design.md): a kept op's *level* is one more than the
-deepest level of any segment that reads it (the top segment has level 0). Every partial for a
-kept tensor comes from a lower level, so when its level comes its gradient is complete. Each
-level is one ``tf.gradients`` call over the union of its segments. Copies read fresh identity
-*boundaries* of the kept tensors and ``xs`` (note "boundaries"); those, and
-the inputs of original ops, are the call's sources and ``stop_gradients``: backprop stops there
-and the partial w.r.t. each is read off.
+What to copy and in which order comes from the schedule (``memsave_grads.core.schedule``, the
+same one the memory model replays; docs/design.md, notes "levels" and "plan and schedule"):
+the top segment is differentiated through the original ops; then, level by level, the segments
+of the kept ops whose gradients are complete are copied and differentiated in one
+``tf.gradients`` call. Copies read fresh identity *boundaries* of the kept tensors and ``xs``
+(note "boundaries"); those, and the inputs of original ops, are the call's sources and
+``stop_gradients``: backprop stops there and the partial w.r.t. each is read off. Deferred ops
+(variable reads) are differentiated in one final call.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Iterable, Sequence
+import dataclasses
+from typing import Iterable, Mapping, Sequence
 
 import tensorflow as tf
 from absl import logging
@@ -26,6 +22,8 @@ from absl import logging
 from memsave_grads._tf import rewrite
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads import errors
+from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import schedule as schedule_lib
 
 
 def zeros_like(x: tf.Tensor) -> tf.Tensor:
@@ -87,14 +85,35 @@ def _gradient_ops(g) -> list[tf.Operation]:
     return [g.op]
 
 
+@dataclasses.dataclass(frozen=True)
+class CallOptions:
+    """What every ``tf.gradients`` call of one rewrite shares.
+
+    Attributes:
+      user_stops: the caller's ``stop_gradients``.
+      tf_kwargs: the other ``tf.gradients`` keyword arguments, passed on.
+      unconnected_zero: return zeros, not None, for an x no y depends on.
+      scope_prefix: name scope of the copies and boundaries.
+    """
+
+    user_stops: Sequence[tf.Tensor]
+    tf_kwargs: dict
+    unconnected_zero: bool
+    scope_prefix: str
+
+
 class _Backprop:
     """State of one rewritten gradient computation (a single use, then discarded)."""
 
-    def __init__(self, region: Sequence[tf.Operation], kept: Iterable[tf.Operation],
-                 xs: Sequence[tf.Tensor]):
-        self.region_set = set(region)
-        self.kept = set(kept)
+    def __init__(self, ops: Mapping[int, tf.Operation], sched: schedule_lib.Schedule,
+                 xs: Sequence[tf.Tensor], options: CallOptions,
+                 waiters: Iterable[tf.Operation] = ()):
+        self.ops = ops
+        self.waiters = set(waiters)
+        self.region_set = set(ops.values()) | self.waiters
+        self.kept = {ops[k] for k in sched.kept}
         self.x_refs = {x.ref() for x in xs}
+        self.options = options
         self.partials: dict = collections.defaultdict(list)
         self.totals: dict = {}
 
@@ -102,20 +121,18 @@ class _Backprop:
         """Kept tensors and xs: where a segment walk stops and partials are collected."""
         return (t.op in self.region_set and t.op in self.kept) or t.ref() in self.x_refs
 
-    def segment(self, seeds: Iterable[tf.Operation]) -> list[tf.Operation]:
-        """``seeds`` plus the region ops above them, up to (not into) kept ops and ``xs``."""
-        seen, stack = set(), list(seeds)
+    def with_waiters(self, segment_ops: Iterable[tf.Operation]) -> list[tf.Operation]:
+        """``segment_ops`` plus the waiting identities that feed them, in creation order."""
+        out, stack = set(segment_ops), list(segment_ops)
         while stack:
-            op = stack.pop()
-            if op in seen:
-                continue
-            seen.add(op)
-            stack.extend(t.op for t in op.inputs
-                         if t.op in self.region_set and not self.ends_segment(t)
-                         and t.op not in seen)
-        return sorted(seen, key=lambda op: op._id)  # pylint: disable=protected-access
+            for t in stack.pop().inputs:
+                if t.op in self.waiters and t.op not in out:
+                    out.add(t.op)
+                    stack.append(t.op)
+        return sorted(out, key=lambda op: op._id)  # pylint: disable=protected-access
 
     def sources(self, segment_ops: Iterable[tf.Operation]) -> list[tf.Tensor]:
+        """The tensors ``segment_ops`` read where a segment ends (kept tensors and xs)."""
         seen, out = set(), []
         for op in segment_ops:
             for t in op.inputs:
@@ -131,11 +148,7 @@ class _Backprop:
             self.totals[key] = aggregate(self.partials.get(key, ()), t)
         return self.totals[key]
 
-    def is_external_x(self, t: tf.Tensor) -> bool:
-        return t.ref() in self.x_refs and t.op not in self.region_set
-
-    def run(self, targets, target_grads, sources, user_stops, tf_kwargs,
-            readers=None) -> None:
+    def run(self, targets, target_grads, sources, readers=None) -> None:
         """One tf.gradients call; its results become partials of ``sources``.
 
         ``readers[i]`` is the tensor the differentiated ops actually read for ``sources[i]``:
@@ -146,168 +159,114 @@ class _Backprop:
             return
         readers = list(sources) if readers is None else readers
         grads = tf_graph.gradients_stopped_at(
-            targets, readers, target_grads, list(readers) + list(user_stops), **tf_kwargs)
+            targets, readers, target_grads, list(readers) + list(self.options.user_stops),
+            **self.options.tf_kwargs)
         for t, g in zip(sources, grads):
             if g is not None:
                 self.partials[t.ref()].append(g)
 
 
 def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence,
-             region: Sequence[tf.Operation], kept: Iterable[tf.Operation],
-             user_stops: Sequence[tf.Tensor], tf_kwargs: dict, unconnected_zero: bool,
-             scope_prefix: str, nested: dict | None = None) -> list:
-    """Gradients of ``ys`` w.r.t. ``xs`` with every non-top segment recomputed.
+             model: graph_lib.ForwardGraph, ops: Mapping[int, tf.Operation],
+             sched: schedule_lib.Schedule, options: CallOptions,
+             waiters: Iterable[tf.Operation] = ()) -> list:
+    """Gradients of ``ys`` w.r.t. ``xs``, running ``sched`` (its nodes are ``ops``' keys: node
+    numbers of ``model``; ``ops`` covers the schedule's members).
 
-    ``nested`` (multi-level plans, design note "multi-level"): for a kept op, ``(sub_kept,
-    sub_nested)``: ops of its segment kept while the segment is replayed, and their own nested
-    plans. Such a level recurses into this function over its copies.
+    ``waiters``: identities through which copied While ops read their inputs
+    (``rewrite.copy_ops``); they belong to the segment of the op they feed.
     """
-    state = _Backprop(region, kept, xs)
-    nested = nested or {}
+    state = _Backprop(ops, sched, xs, options, waiters)
+    _top(state, ys, grad_ys, state.with_waiters(ops[v] for v in sched.top))
+    for level in sched.levels:
+        _level(state, model, sched, level.number, level.kept)
+    _level(state, model, sched, "final", sched.deferred)  # design note "levels"
+    results = []
+    for x in xs:
+        g = state.total(x)
+        if g is None and options.unconnected_zero:
+            g = zeros_like(x)
+        results.append(g)
+    return results
 
-    # Level 0: the top segment, through the original ops.
-    top_targets, top_grads, top_seeds, extra_sources = [], [], [], []
+
+def _top(state: _Backprop, ys, grad_ys, top: list[tf.Operation]) -> None:
+    """Level 0: the top segment, through the original ops."""
+    targets, target_grads, extra_sources = [], [], []
     for y, gy in zip(ys, grad_ys):
         if state.ends_segment(y):
             extra_sources.append(y)
         elif y.op not in state.region_set:
             continue  # y does not depend on xs
-        else:
-            top_seeds.append(y.op)
-        top_targets.append(y)
-        top_grads.append(gy)
-    top = state.segment(top_seeds)
+        targets.append(y)
+        target_grads.append(gy)
     sources = state.sources(top)
     known = {t.ref() for t in sources}
     for t in extra_sources:  # a y that is itself kept or an x: its gradient is its grad_y
         if t.ref() not in known:
             known.add(t.ref())
             sources.append(t)
-    state.run(top_targets, top_grads, sources, user_stops, tf_kwargs)
-
-    # Levels: deepest segment reading a kept op, +1. Kept ops in reverse topological order.
-    level = {op: 1 for op in state.kept if op in state.region_set}
-    segments: dict[tf.Operation, list[tf.Operation]] = {}
-    for op in sorted(level, key=lambda o: o._id, reverse=True):  # pylint: disable=protected-access
-        replayable = tf_graph.is_replayable(op)
-        segments[op] = state.segment([op]) if replayable else [op]
-        for t in state.sources(segments[op]):
-            if t.op in level and t.op is not op:
-                level[t.op] = max(level[t.op], level[op] + 1)
-
-    # Original (uncopied) ops that read only external xs, such as variable reads, feed nothing
-    # but xs: one call at the very end does them all (design note "levels").
-    deferred = [op for op in level if not tf_graph.is_replayable(op)
-                and all(state.is_external_x(t) for t in state.sources([op]))]
-    by_level = collections.defaultdict(list)
-    for op, lvl in level.items():
-        by_level[lvl].append(op)
-    deferred_set = set(deferred)
-    levels = [(lvl, [op for op in by_level[lvl] if op not in deferred_set])
-              for lvl in sorted(by_level)] + [("final", deferred)]
-
-    for lvl, group in levels:
-        group = sorted(group, key=lambda o: o._id)  # pylint: disable=protected-access
-        active = []
-        for op in group:
-            ds = [state.total(t) for t in op.outputs]
-            if any(d is not None for d in ds):
-                active.append((op, ds))
-        if not active:
-            continue
-        replayed = [op for op, _ in active if tf_graph.is_replayable(op)]
-        to_copy = sorted({s for op in replayed for s in segments[op]},
-                         key=lambda o: o._id)  # pylint: disable=protected-access
-        scope = f"{scope_prefix}/recompute_level{lvl}"
-        # Copies read fresh identity boundaries, not the kept tensors themselves: tf.gradients
-        # walks everything downstream of its sources, and the originals have the whole rest of
-        # the graph downstream. Identities, not StopGradient, so that a later derivative of
-        # these gradients still reaches the checkpoints (design note "boundaries").
-        copied_sources = state.sources(to_copy)
-        boundaries = {}
-        with tf.name_scope(f"{scope}/boundary"):
-            for t in copied_sources:
-                with t.graph.colocate_with(t.op):
-                    boundaries[t.ref()] = tf.identity(t)
-        control = [c for _, ds in active for d in ds if d is not None for c in _gradient_ops(d)]
-        copies = rewrite.copy_ops(to_copy, scope, control, replacements=boundaries)
-        targets, target_grads = [], []
-        for op, ds in active:
-            produced = copies.get(op, op)
-            for t, d in zip(produced.outputs, ds):
-                if d is not None:
-                    targets.append(t)
-                    target_grads.append(d)
-        original_sources = state.sources([op for op, _ in active if op not in copies])
-        sources = copied_sources + original_sources
-        readers = [boundaries[t.ref()] for t in copied_sources] + original_sources
-        if any(op in nested for op in replayed):
-            _nested_level(state, nested, replayed, copies, active, copied_sources, boundaries,
-                          original_sources, user_stops, tf_kwargs, scope)
-        else:
-            state.run(targets, target_grads, sources, user_stops, tf_kwargs, readers=readers)
-        logging.vlog(1, "memsave_grads: level %s: %d kept ops, %d ops recomputed",
-                     lvl, len(active), len(to_copy))
-
-    results = []
-    for x in xs:
-        g = state.total(x)
-        if g is None and unconnected_zero:
-            g = zeros_like(x)
-        results.append(g)
-    return results
+    state.run(targets, target_grads, sources)
 
 
-def _translate(nested: dict, copies: dict) -> dict:
-    """A nested plan of original ops, in terms of their copies."""
-    return {copies[k]: (frozenset(copies[s] for s in sub if s in copies),
-                        _translate(children, copies))
-            for k, (sub, children) in nested.items() if k in copies}
-
-
-def _nested_level(state: _Backprop, nested: dict, replayed, copies: dict, active,
-                  copied_sources, boundaries: dict, original_sources, user_stops, tf_kwargs,
-                  scope: str) -> None:
-    """A level whose segments have their own checkpoints (design note "multi-level").
-
-    The level's copies are a region of their own: ys = the copied kept outputs, grad_ys = their
-    gradients, xs = the boundaries, kept = the copies of the sub-kept ops. ``backprop`` on it
-    keeps only those while the copies run forward (their roots wait for the level's gradients,
-    note "scheduling") and copies each sub-segment once more, later, recursively.
-    """
-    active_copies = {copies[op] for op in replayed}
-    sub_kept, sub_nested = set(), {}
-    for op in replayed:
-        if op in nested:
-            sub, children = nested[op]
-            sub_kept |= {copies[s] for s in sub if s in copies} - active_copies
-            sub_nested.update(_translate(children, copies))
-    targets, target_grads, original_targets, original_grads = [], [], [], []
-    for op, ds in active:
-        produced = copies.get(op)
-        for i, d in enumerate(ds):
-            if d is None:
-                continue
-            if produced is not None:
-                targets.append(produced.outputs[i])
+def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.Schedule,
+           label, kept_nodes: Sequence[int]) -> None:
+    """One level: copy the segments of its active kept ops and differentiate them in one call
+    (or, where they have sub-plans, run the level's own schedule over the copies)."""
+    active = []
+    for k in kept_nodes:
+        op = state.ops[k]
+        ds = [state.total(t) for t in op.outputs]
+        if any(d is not None for d in ds):
+            active.append((k, ds))
+    if not active:
+        return
+    recomputed = sched.recomputed(k for k, _ in active)
+    to_copy = state.with_waiters(state.ops[v] for v in recomputed)
+    scope = f"{state.options.scope_prefix}/recompute_level{label}"
+    # Copies read fresh identity boundaries, not the kept tensors themselves: tf.gradients
+    # walks everything downstream of its sources, and the originals have the whole rest of
+    # the graph downstream. Identities, not StopGradient, so that a later derivative of
+    # these gradients still reaches the checkpoints (design note "boundaries").
+    copied_sources = state.sources(to_copy)
+    boundaries = {}
+    with tf.name_scope(f"{scope}/boundary"):
+        for t in copied_sources:
+            with t.graph.colocate_with(t.op):
+                boundaries[t.ref()] = tf.identity(t)
+    control = [c for _, ds in active for d in ds if d is not None for c in _gradient_ops(d)]
+    copies = rewrite.copy_ops(to_copy, scope, control, replacements=boundaries)
+    targets, target_grads, copied = [], [], []
+    for k, ds in active:
+        op = state.ops[k]
+        produced = copies.get(op, op)
+        for t, d in zip(produced.outputs, ds):
+            if d is not None:
+                targets.append(t)
                 target_grads.append(d)
-            else:
-                original_targets.append(op.outputs[i])
-                original_grads.append(d)
+                copied.append(produced is not op)
+    original_sources = state.sources([state.ops[k] for k, _ in active
+                                      if state.ops[k] not in copies])
     readers = [boundaries[t.ref()] for t in copied_sources]
-    region = sorted(copies.values(), key=lambda o: o._id)  # pylint: disable=protected-access
-    grads = backprop(targets, readers, target_grads, region, sub_kept, user_stops, tf_kwargs,
-                     unconnected_zero=False, scope_prefix=f"{scope}/nested",
-                     nested={k: v for k, v in sub_nested.items() if k in sub_kept})
-    for t, g in zip(copied_sources, grads):
-        if g is not None:
-            state.partials[t.ref()].append(g)
-    state.run(original_targets, original_grads, original_sources, user_stops, tf_kwargs)
-
-
-def nested_ops(children, region: Sequence[tf.Operation]) -> dict:
-    """``multilevel.NestedPlan`` children (node indices of ``region``) as ``backprop``'s
-    ``nested`` argument (ops)."""
-    return {region[k]: (frozenset(region[s] for s in child.kept),
-                        nested_ops(child.children, region))
-            for k, child in (children or {}).items()}
+    nested = sched.nested(model, [k for k, _ in active])
+    if nested is not None:  # design note "multi-level"
+        # The level's copies are a region of their own: ys = the copied kept outputs, xs = the
+        # boundaries; its schedule keeps the sub-plans' nodes and copies each sub-segment once
+        # more, later, recursively.
+        sub_ops = {v: copies[state.ops[v]] for v in nested.members}
+        sub_waiters = {c for o, c in copies.items() if o is c or o in state.waiters}
+        sub_options = dataclasses.replace(state.options, unconnected_zero=False,
+                                          scope_prefix=f"{scope}/nested")
+        grads = backprop([t for t, c in zip(targets, copied) if c],
+                         readers, [d for d, c in zip(target_grads, copied) if c], model,
+                         sub_ops, nested, sub_options, sub_waiters)
+        for t, g in zip(copied_sources, grads):
+            if g is not None:
+                state.partials[t.ref()].append(g)
+        state.run([t for t, c in zip(targets, copied) if not c],
+                  [d for d, c in zip(target_grads, copied) if not c], original_sources)
+    else:
+        state.run(targets, target_grads, copied_sources + original_sources,
+                  readers=readers + original_sources)
+    logging.vlog(1, "memsave_grads: level %s: %d kept ops, %d ops recomputed",
+                 label, len(active), len(to_copy))

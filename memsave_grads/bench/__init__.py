@@ -1,0 +1,13 @@
+"""The benchmarks behind ``memsave-grads`` (see :mod:`memsave_grads.cli`); the library never
+imports them.
+
+- :mod:`~memsave_grads.bench.models`: the models by name (TensorFlow-free, so ``--models`` is
+  checked before anything is built);
+- :mod:`~memsave_grads.bench.graphs`, :mod:`~memsave_grads.bench.keras_graphs`: the graphs
+  they build (raw ops; Keras 2);
+- :mod:`~memsave_grads.bench.harness`: one training step per method, measured, and the tables;
+- :mod:`~memsave_grads.bench.solvers`: the budget solvers compared on small graphs;
+- :mod:`~memsave_grads.bench.commands`: the subcommands, built from the above.
+
+Imports run one way: commands -> harness, solvers -> models -> graphs, keras_graphs.
+"""

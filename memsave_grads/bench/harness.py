@@ -1,8 +1,9 @@
-"""Measurement machinery of the command line: models, one training step per method, a table.
+"""Measurement machinery of the command line: one training step per method, then a table.
 
-One :class:`ModelSpec` builds a forward pass and a loss inside a ``tf.Graph``. For every
-:class:`Method`, :func:`measure_model` adds that method's gradients and an SGD update of all
-trainable variables to the *same* graph, then measures in one ``tf.compat.v1.Session``:
+One :class:`~memsave_grads.bench.models.ModelSpec` builds a forward pass and a loss inside a
+``tf.Graph``. For every :class:`Method`, :func:`measure_model` adds that method's gradients and
+an SGD update of all trainable variables to the *same* graph, then measures in one
+``tf.compat.v1.Session``:
 
 * the gradient error of each method against ``tf.gradients``, all of them in one
   ``session.run`` (same inputs, before any update): ``max|a - b| / max|b|`` per variable, the
@@ -11,11 +12,10 @@ trainable variables to the *same* graph, then measures in one ``tf.compat.v1.Ses
   above what was in use before the step (variables and inputs are resident, so not counted);
 * the median wall time of a training step (:func:`memsave_grads.measure.median_seconds`).
 
-Inputs live in non-trainable variables and every initial value comes from stateless random ops
-with fixed seeds, so nothing is fed and every run sees the same data.
+The models feed nothing: their inputs live in variables (:mod:`memsave_grads.bench.graphs`).
 
 TensorFlow must be imported after ``TF_CPU_ALLOCATOR_USE_BFC=true`` is set for the peak memory
-to be right on CPU; the command line (``memsave_grads.__main__``) takes care of that. Nothing
+to be right on CPU; the command line (:mod:`memsave_grads.cli`) takes care of that. Nothing
 here prints: progress goes to absl logging, tables are returned as strings.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable, List, Sequence, Tuple
+from typing import Sequence
 
 import tensorflow as tf
 from absl import logging
@@ -33,10 +33,8 @@ from memsave_grads import api
 from memsave_grads import errors
 from memsave_grads import _explain as explain_lib
 from memsave_grads import measure
+from memsave_grads.bench.models import ModelSpec
 from memsave_grads.patching import original_gradients
-
-#: What a model builder returns: the scalar loss and the variables to train.
-BuiltModel = Tuple[tf.Tensor, List[tf.Variable]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -66,151 +64,6 @@ MEMORY = Method("memsave_grads 'memory'", "memory")
 SPEED = Method("memsave_grads 'speed'", "speed")
 #: The methods the command line compares; the reference comes first.
 DEFAULT_METHODS = (REFERENCE, MEMORY, SPEED)
-
-
-# --------------------------------------------------------------------------------------------
-# Models
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """A named model: ``build()`` is called inside a fresh graph and returns (loss, variables)."""
-
-    name: str
-    build: Callable[[], BuiltModel]
-    description: str = ""
-
-
-def make_input(shape, seed: int, name: str) -> tf.Variable:
-    """A non-trainable variable holding fixed random data (so nothing is fed per step)."""
-    return tf.Variable(tf.random.stateless_normal(shape, seed=[seed, 0]), trainable=False,
-                       name=name)
-
-
-def _weight(shape, seed: int, stddev: float, name: str) -> tf.Variable:
-    return tf.Variable(tf.random.stateless_normal(shape, seed=[seed, 1], stddev=stddev),
-                       name=name)
-
-
-def _mlp(depth: int, width: int, batch: int, residual: bool, seed: int) -> Callable[[], BuiltModel]:
-    """Builder of ``h = h + tanh(h @ W_i)`` (residual) or ``h = tanh(h @ W_i)``; loss mean(h**2)."""
-    # Residual blocks add their output to the stream: a smaller init keeps activations bounded.
-    stddev = (0.5 if residual else 1.0) / math.sqrt(width)
-
-    def build():
-        h = make_input([batch, width], seed, "inputs")
-        weights = []
-        for i in range(depth):
-            with tf.name_scope(f"block{i}"):
-                w = _weight([width, width], seed + 1 + i, stddev, "w")
-                weights.append(w)
-                out = tf.tanh(tf.matmul(h, w))
-                h = h + out if residual else out
-        return tf.reduce_mean(tf.square(h), name="loss"), weights
-
-    return build
-
-
-def residual_mlp(depth: int, width: int, batch: int, seed: int = 0) -> ModelSpec:
-    """``depth`` residual blocks; one activation is ``batch * width * 4`` bytes."""
-    return ModelSpec(
-        f"residual MLP d={depth} w={width} b={batch}", _mlp(depth, width, batch, True, seed),
-        f"residual MLP: {depth} blocks h = h + tanh(h @ W_i), width {width}, batch {batch}")
-
-
-def tanh_mlp(depth: int, width: int, batch: int, seed: int = 0) -> ModelSpec:
-    """A plain chain of ``depth`` layers."""
-    return ModelSpec(
-        f"tanh MLP d={depth} w={width} b={batch}", _mlp(depth, width, batch, False, seed),
-        f"tanh MLP chain: {depth} layers h = tanh(h @ W_i), width {width}, batch {batch}")
-
-
-def conv_resnet(blocks: int = 16, batch: int = 32, image: int = 32,
-                channels: Sequence[int] = (32, 64), classes: int = 10,
-                seed: int = 0) -> ModelSpec:
-    """A small ResNet from raw ops: conv-BN-relu-conv-BN + shortcut, relu; softmax loss.
-
-    ``blocks`` residual blocks split evenly over the stages in ``channels``; every stage after
-    the first halves the resolution (strided conv, 1x1 projection shortcut). Batch norm uses
-    batch statistics (``tf.nn.moments`` + ``tf.nn.batch_normalization``).
-    """
-    stages = len(channels)
-    per_stage = [blocks // stages + (1 if s < blocks % stages else 0) for s in range(stages)]
-
-    def build():
-        counter = iter(range(seed + 1, seed + 10_000))
-        variables = []
-
-        def conv(x, cin, cout, k=3, stride=1, name="conv"):
-            kernel = _weight([k, k, cin, cout], next(counter), math.sqrt(2.0 / (k * k * cin)),
-                             f"{name}_kernel")
-            variables.append(kernel)
-            return tf.nn.conv2d(x, kernel, strides=stride, padding="SAME", name=name)
-
-        def batch_norm(x, c, name="bn"):
-            gamma = tf.Variable(tf.ones([c]), name=f"{name}_gamma")
-            beta = tf.Variable(tf.zeros([c]), name=f"{name}_beta")
-            variables.extend([gamma, beta])
-            mean, variance = tf.nn.moments(x, axes=[0, 1, 2])
-            return tf.nn.batch_normalization(x, mean, variance, beta, gamma, 1e-5, name=name)
-
-        images = make_input([batch, image, image, 3], seed, "images")
-        labels = tf.Variable(
-            tf.random.stateless_uniform([batch], seed=[seed, 2], maxval=classes, dtype=tf.int32),
-            trainable=False, name="labels")
-        with tf.name_scope("stem"):
-            h = tf.nn.relu(batch_norm(conv(images, 3, channels[0]), channels[0]))
-        cin = channels[0]
-        index = 0
-        for stage, (cout, count) in enumerate(zip(channels, per_stage)):
-            for j in range(count):
-                stride = 2 if stage > 0 and j == 0 else 1
-                with tf.name_scope(f"block{index}"):
-                    y = tf.nn.relu(batch_norm(conv(h, cin, cout, stride=stride, name="conv1"),
-                                              cout, "bn1"))
-                    y = batch_norm(conv(y, cout, cout, name="conv2"), cout, "bn2")
-                    shortcut = h
-                    if stride != 1 or cin != cout:
-                        shortcut = batch_norm(conv(h, cin, cout, k=1, stride=stride,
-                                                   name="proj"), cout, "proj_bn")
-                    h = tf.nn.relu(y + shortcut)
-                cin = cout
-                index += 1
-        with tf.name_scope("head"):
-            pooled = tf.reduce_mean(h, axis=[1, 2])
-            dense = _weight([cin, classes], next(counter), 1.0 / math.sqrt(cin), "dense")
-            variables.append(dense)
-            logits = tf.matmul(pooled, dense)
-            loss = tf.reduce_mean(
-                tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits),
-                name="loss")
-        return loss, variables
-
-    return ModelSpec(
-        f"conv ResNet {blocks} blocks b={batch} {image}x{image}", build,
-        f"ResNet-style conv net: {blocks} residual blocks, channels {list(channels)}, "
-        f"{image}x{image} images, batch {batch}")
-
-
-def benchmark_models() -> list[ModelSpec]:
-    """The models of ``memsave-grads benchmark``: Keras 2 applications and blocks (they need
-    ``tf_keras``), a deep MLP, and the small raw-op models."""
-    from memsave_grads.bench import keras_models  # pylint: disable=import-outside-toplevel
-    return [
-        *(build() for build in keras_models.KERAS_MODELS.values()),
-        residual_mlp(depth=128, width=512, batch=256),
-        tanh_mlp(depth=64, width=1024, batch=256),
-        conv_resnet(blocks=16, batch=32, image=32, channels=(32, 64)),
-    ]
-
-
-#: Depths of the residual family whose peak memory ``memsave-grads scaling`` plots.
-SCALING_DEPTHS = (8, 16, 32, 64, 128, 256)
-
-
-def scaling_models(width: int = 512, batch: int = 128) -> list[ModelSpec]:
-    return [residual_mlp(depth=d, width=width, batch=batch) for d in SCALING_DEPTHS]
 
 
 def measure_build_seconds(spec: ModelSpec, checkpoints: str = "memory",
@@ -485,6 +338,24 @@ def demo_table(results: Sequence[Result]) -> str:
         ["method", "peak MiB", "predicted MiB", "vs tf.gradients", "median step ms",
          "time ratio", "max rel grad err"], "lrrrrrr",
         [[r.method.label, *_cells(r, reference)] for r in results])
+
+
+def scaling_table(points: Sequence[tuple[int, float, float]], peak_ratios: Sequence[str]) -> str:
+    """``memsave-grads scaling``'s peak table: one row per (depth, tf.gradients MiB, 'memory'
+    MiB), with the peak ratio and the 'memory' peak over sqrt(depth) (flat under sqrt growth)."""
+    rows = [[str(depth), _number(plain_mib), _number(ours_mib), ratio,
+             f"{ours_mib / (depth ** 0.5):.2f}"]
+            for (depth, plain_mib, ours_mib), ratio in zip(points, peak_ratios)]
+    return _table(["depth", "tf.gradients peak MiB", "'memory' peak MiB", "ratio",
+                   "'memory' MiB / sqrt(depth)"], "rrrrr", rows)
+
+
+def build_time_table(rows: Sequence[tuple[str, int, float, float]]) -> str:
+    """Graph construction seconds per (graph, forward ops, tf.gradients s, 'memory' s)."""
+    return _table(["graph", "ops before gradients", "tf.gradients s", "'memory' s", "ratio"],
+                  "lrrrr", [[name, str(forward_ops), f"{plain:.2f}", f"{ours:.2f}",
+                             f"{ours / plain:.2f}x"]
+                            for name, forward_ops, plain, ours in rows])
 
 
 def benchmark_table(results_per_model: Sequence[Sequence[Result]]) -> str:

@@ -19,7 +19,9 @@ from memsave_grads import api
 from memsave_grads.core import budgets
 from memsave_grads import errors
 from memsave_grads.core import memory_model
+from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import solvers
+from memsave_grads.core.solvers import problem as problem_lib
 
 #: Budgets as fractions of tf.gradients' predicted peak.
 FRACTIONS = (0.75, 0.6, 0.5, 0.4, 0.35)
@@ -105,14 +107,14 @@ SMALL_GRAPHS: dict[str, Callable] = {
 }
 
 
-def problem_for(loss, variables) -> budgets.BudgetProblem:
+def problem_for(loss, variables) -> problem_lib.BudgetProblem:
     """The budget problem ``gradients(loss, variables, checkpoints=Budget(...))`` would solve
     (budget 0: set it with ``with_budget``)."""
     prepared = api._prepare(loss, variables, None, [],  # pylint: disable=protected-access
                             {}, select=False)
     ctx = prepared.selection
     candidates, must_keep, not_replayed = ctx.node_sets()
-    return budgets.BudgetProblem(ctx.model, 0, frozenset(must_keep), frozenset(candidates),
+    return problem_lib.BudgetProblem(ctx.model, 0, frozenset(must_keep), frozenset(candidates),
                                  frozenset(not_replayed))
 
 
@@ -122,7 +124,7 @@ class Row:
     forward_ops: int
     fraction: float
     budget_bytes: int
-    plans: dict  # solver -> BudgetPlan, or the error's short text
+    plans: dict  # solver -> Plan, or the error's short text
 
 
 def compare(names: Sequence[str] | None = None, fractions: Sequence[float] = FRACTIONS,
@@ -146,7 +148,7 @@ def compare(names: Sequence[str] | None = None, fractions: Sequence[float] = FRA
 
 
 def best_cost(row: Row) -> float | None:
-    costs = [p.recompute_cost for p in row.plans.values() if isinstance(p, budgets.BudgetPlan)]
+    costs = [p.recompute_cost for p in row.plans.values() if isinstance(p, plan_lib.Plan)]
     return min(costs) if costs else None
 
 
@@ -162,7 +164,7 @@ def comparison_table(rows: Sequence[Row], solver_names: Sequence[str] = SOLVER_N
         times = []
         for solver in solver_names:
             plan = row.plans.get(solver)
-            if isinstance(plan, budgets.BudgetPlan):
+            if isinstance(plan, plan_lib.Plan):
                 ratio = plan.recompute_cost / best if best else 1.0
                 cells.append(f"{plan.recompute_cost:.3g} ({ratio:.2f}x)"
                              + (" opt" if plan.optimal else ""))

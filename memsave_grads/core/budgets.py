@@ -6,15 +6,9 @@ strategy name, and has a string form for :func:`memsave_grads.patch`:
 ``"budget:4GiB"``, ``"budget:60%"``, ``"budget:0.6"``, optionally naming the solver:
 ``"budget:60%:milp"``.
 
-This module is TensorFlow-free: it defines the budget, the planning problem a solver receives
-(graph model + budget in) and the plan it returns (kept nodes out), and how a plan is scored.
-Both scores come from the same static models every planner shares:
-
-* **peak**: :func:`memory_model.plan_peak_bytes`, the replay of forward + backward in bytes;
-* **recompute cost**: the sum of :meth:`ForwardGraph.cost_of` over the nodes the rewrite
-  recomputes (FLOPs from static shapes by default; seconds when calibrated from a profile with
-  :func:`calibrated_costs`). Each node is recomputed at most once (design note "single
-  owner"), so the cost is a sum over nodes, not over segments.
+This module is TensorFlow-free: it defines the budget as the user gives it, its string form,
+and recompute costs calibrated from a measured profile (:func:`calibrated_costs`). The planning
+problem a solver receives and how plans are scored live in ``memsave_grads.core.solvers.problem``.
 """
 
 from __future__ import annotations
@@ -24,11 +18,9 @@ import math
 import numbers
 import re
 import statistics
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from memsave_grads import errors
-from memsave_grads.core import graph as graph_lib
-from memsave_grads.core import memory_model
 
 #: Byte units of the string form, case-insensitive. KB/MB/GB are powers of 1000, KiB/MiB/GiB
 #: of 1024.
@@ -38,6 +30,8 @@ BYTE_UNITS = {
 }
 #: Name of the solver a budget uses unless it says otherwise (see ``solvers.SOLVERS``).
 DEFAULT_SOLVER = "greedy"
+#: The solvers a budget may name (``memsave_grads.core.solvers.SOLVERS`` implements each).
+SOLVER_NAMES = ("greedy", "dp", "milp", "revolve")
 #: The largest int64: byte counts beyond it overflow NumPy integers, and no machine has 8 EiB
 #: to give (every solver plans at this budget).
 MAX_BUDGET_BYTES = 2**63 - 1
@@ -94,11 +88,10 @@ class Budget:
             object.__setattr__(self, "fraction", _checked_fraction(self.fraction))
         if self.op_seconds is not None:
             _check_op_seconds(self.op_seconds)
-        from memsave_grads.core import solvers  # pylint: disable=import-outside-toplevel
-        if not isinstance(self.solver, str) or self.solver not in solvers.SOLVERS:
+        if not isinstance(self.solver, str) or self.solver not in SOLVER_NAMES:
             raise errors.InvalidArgumentError(
                 f"Budget.solver: unknown solver {self.solver!r}; expected one of "
-                f"{sorted(solvers.SOLVERS)}.")
+                f"{sorted(SOLVER_NAMES)}.")
 
     @classmethod
     def parse(cls, text: str) -> "Budget":
@@ -200,110 +193,6 @@ def _check_op_seconds(op_seconds) -> None:
             f"Budget.op_seconds: expected a mapping from op name (str) to measured seconds "
             f"(a finite number >= 0), got {op_seconds!r:.80}. Pass the result of "
             "memsave_grads.profile_op_seconds(...), or leave it out to use FLOP estimates.")
-
-
-# --------------------------------------------------------------------------------------------
-# The planning problem and its plans (the one contract of every solver)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class BudgetProblem:
-    """What a solver receives: the graph model, the budget, and what may or must be kept.
-
-    Attributes:
-      graph: the forward region (its ``flops`` are the recompute costs).
-      budget_bytes: the predicted peak may not exceed this.
-      must_keep: nodes kept whatever the plan (stateful ops, intermediate ``xs``).
-      candidates: nodes a plan may keep (``must_keep`` included implicitly).
-      not_replayed: kept nodes whose segment is never copied (stateful ops).
-    """
-
-    graph: graph_lib.ForwardGraph
-    budget_bytes: int
-    must_keep: frozenset = frozenset()
-    candidates: frozenset | None = None
-    not_replayed: frozenset = frozenset()
-
-    def __post_init__(self):
-        if self.candidates is None:
-            object.__setattr__(self, "candidates", frozenset(range(self.graph.num_nodes)))
-        object.__setattr__(self, "must_keep", frozenset(self.must_keep))
-        object.__setattr__(self, "candidates", frozenset(self.candidates) | self.must_keep)
-        object.__setattr__(self, "not_replayed", frozenset(self.not_replayed))
-
-    def with_budget(self, budget_bytes: int) -> "BudgetProblem":
-        return dataclasses.replace(self, budget_bytes=int(budget_bytes))
-
-
-@dataclasses.dataclass(frozen=True)
-class BudgetPlan:
-    """What a solver returns.
-
-    Attributes:
-      kept: nodes whose outputs are kept (closed for single ownership; ``must_keep`` included).
-      predicted_peak_bytes: :func:`memory_model.plan_peak_bytes` of ``kept``.
-      recompute_cost: :func:`recompute_cost` of ``kept``.
-      solver: the solver's name.
-      optimal: the solver proved that no plan *of its search space* within the budget
-        recomputes less: for ``"dp"``, plans made of cuts, under its decomposed peak; for
-        ``"milp"``, any kept set, under the replay (proven with a valid relaxation of the
-        replay's peak: tests/test_solvers.py checks it against brute force). ``False`` for
-        the heuristic and for exact solvers that stopped early or had to repair their answer.
-      solve_seconds: wall time of the solver.
-      budget_bytes: the budget it was solved for.
-      nested: for multi-level plans (solver ``"revolve"``), the sub-plan
-        (``multilevel.NestedPlan``) of each kept node whose segment has its own checkpoints;
-        empty for single-level plans (design note "multi-level").
-    """
-
-    kept: frozenset
-    predicted_peak_bytes: int
-    recompute_cost: float
-    solver: str
-    optimal: bool = False
-    solve_seconds: float = 0.0
-    budget_bytes: int | None = None
-    nested: Mapping = dataclasses.field(default_factory=dict, compare=False)
-
-
-def recomputed_nodes(problem: BudgetProblem, kept: Iterable[int],
-                     segs: memory_model.Segments | None = None) -> set[int]:
-    """Nodes the rewrite recomputes when ``kept`` are kept: every segment member but the kept."""
-    if segs is None:
-        segs = memory_model.segments(problem.graph, kept, problem.not_replayed)
-    return segs.replayed()
-
-
-def score(problem: BudgetProblem, kept: Iterable[int]) -> tuple[frozenset, int, float]:
-    """Close ``kept`` (single ownership, ``must_keep`` added) and return it with its predicted
-    peak and recompute cost."""
-    closed = graph_lib.close_segments(problem.graph, set(kept) | problem.must_keep)
-    segs = memory_model.segments(problem.graph, closed, problem.not_replayed)
-    cost = sum(problem.graph.cost_of(v) for v in recomputed_nodes(problem, closed, segs))
-    peak = memory_model.plan_peak_bytes(problem.graph, closed, problem.not_replayed, segs)
-    return frozenset(closed), peak, cost
-
-
-def infeasible(problem: BudgetProblem, smallest_peak_bytes: int,
-               solver: str) -> errors.InfeasibleBudgetError:
-    """The error for a budget no plan meets, stating the smallest predicted peak reached."""
-    plain_bytes = memory_model.plain_peak_bytes(problem.graph)
-    error = errors.InfeasibleBudgetError(
-        f"checkpoints: the budget of {format_bytes(problem.budget_bytes)} "
-        f"({problem.budget_bytes} bytes) is below the smallest peak the solver found: "
-        f"{format_bytes(smallest_peak_bytes)} "
-        f"({smallest_peak_bytes} bytes, {_share(smallest_peak_bytes, plain_bytes)} of plain "
-        f"tf.gradients' {format_bytes(plain_bytes)}; static memory model, solver {solver!r}). "
-        f"Raise the budget to at least that, or reduce the batch size.")
-    error.min_feasible_bytes = smallest_peak_bytes
-    error.budget_bytes = problem.budget_bytes
-    error.plain_peak_bytes = plain_bytes
-    return error
-
-
-def _share(nbytes: int, plain_bytes: int) -> str:
-    return f"{nbytes / plain_bytes:.1%}" if plain_bytes > 0 else "n/a"
 
 
 def smallest_peak_budget(error: errors.InfeasibleBudgetError, asked: Budget) -> Budget | None:

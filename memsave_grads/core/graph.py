@@ -39,6 +39,9 @@ class ForwardGraph:
         constant's gradient would read it); empty means none.
       forwards: the node's output may take over the buffer of an input that nothing else holds
         (elementwise ops), and its gradient that of its incoming gradient; empty means none.
+      no_gradient: the node's outputs carry no gradient (booleans, integers: a comparison
+        feeding a ``tf.cond``), so backprop passes nothing to them; empty means every node's
+        outputs carry one.
     """
 
     inputs: tuple[tuple[int, ...], ...]
@@ -54,13 +57,14 @@ class ForwardGraph:
     flops: tuple[float, ...] = ()
     unread_inputs: tuple[frozenset, ...] = ()
     forwards: tuple[bool, ...] = ()
+    no_gradient: tuple[bool, ...] = ()
 
     def __post_init__(self):
         n = len(self.inputs)
         if not (len(self.size_bytes) == len(self.reads_source) == len(self.feeds_sink) == n):
             raise ValueError("ForwardGraph fields must all have one entry per node")
         for name in ("names", "expensive", "grad_reads_inputs", "grad_reads_output",
-                     "param_bytes", "views", "flops", "unread_inputs", "forwards"):
+                     "param_bytes", "views", "flops", "unread_inputs", "forwards", "no_gradient"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise ValueError(f"ForwardGraph.{name} must be empty or have one entry per node")
         for node, preds in enumerate(self.inputs):
@@ -85,6 +89,9 @@ class ForwardGraph:
 
     def forwards_buffer(self, node: int) -> bool:
         return bool(self.forwards) and self.forwards[node]
+
+    def carries_gradient(self, node: int) -> bool:
+        return not (self.no_gradient and self.no_gradient[node])
 
     def gradient_reads_output(self, node: int) -> bool:
         return bool(self.grad_reads_output) and self.grad_reads_output[node]

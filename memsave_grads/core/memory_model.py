@@ -1,12 +1,12 @@
 """A static memory model of the backward pass, on the TensorFlow-free graph model.
 
-It replays, in bytes, the schedule that the rewrite imposes (docs/design.md, note "memory
-model") and returns the peak:
+It replays, in bytes, the schedule (``core.schedule``) that the rewrite runs (docs/design.md,
+notes "memory model" and "plan and schedule") and returns the peak:
 
 * **forward**: nodes run in topological order; a node's outputs are freed once its last
   consumer has run, unless the backward pass needs them: with plain ``tf.gradients`` every
   output the backward pass reads stays (an op's gradient may read its inputs or its output; see
-  ``policies``) until the last step that reads it; with a plan only kept nodes and
+  ``op_types``) until the last step that reads it; with a plan only kept nodes and
   the saved outputs of the top segment (which is not recomputed) stay.
 * **backward**: plain ``tf.gradients`` walks the nodes in reverse topological order; a node's
   gradient is allocated when the first partial reaches it and freed once its own backward step
@@ -34,10 +34,11 @@ measurement; the benchmark prints both.
 from __future__ import annotations
 
 import collections
-import dataclasses
 from typing import Iterable, Sequence
 
 from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import plan as plan_lib
+from memsave_grads.core import schedule as schedule_lib
 
 
 #: Bytes per variable byte at the backward step of the op that reads the variable: its
@@ -66,73 +67,6 @@ class _Ledger:
 
     def free(self, nbytes: int) -> None:
         self.live -= nbytes
-
-
-@dataclasses.dataclass(frozen=True)
-class Segments:
-    """How a kept set cuts the graph (mirrors ``stitch.backprop``).
-
-    Attributes:
-      top: nodes of the top segment (not recomputed), in topological order.
-      owned: for each kept node, the nodes its segment recomputes (itself included), in
-        topological order; empty for kept nodes that are never replayed.
-      level: for each kept node, its level (1 = read by the top segment only).
-    """
-
-    top: list[int]
-    owned: dict[int, list[int]]
-    level: dict[int, int]
-
-    def levels(self) -> list[list[int]]:
-        """Kept nodes grouped by level, lowest level first."""
-        by_level = collections.defaultdict(list)
-        for node, lvl in self.level.items():
-            by_level[lvl].append(node)
-        return [sorted(by_level[lvl]) for lvl in sorted(by_level)]
-
-    def recomputed(self, group: Iterable[int]) -> list[int]:
-        return sorted({v for k in group for v in self.owned[k]})
-
-    def replayed(self) -> set[int]:
-        """Every node the rewrite recomputes: segment members that are not kept themselves."""
-        return {v for members in self.owned.values() for v in members if v not in self.owned}
-
-
-def segments(graph: graph_lib.ForwardGraph, kept: Iterable[int],
-             not_replayed: Iterable[int] = (), members: Iterable[int] | None = None,
-             sinks: Iterable[int] | None = None) -> Segments:
-    """The segments and levels that ``kept`` makes (see ``_stitch`` for the rewrite itself).
-
-    ``members``/``sinks``: the same inside one recomputed region (design note "multi-level"):
-    only ``members`` are walked, and the top segment ends at ``sinks`` instead of the ``ys``.
-    """
-    kept = set(kept)
-    not_replayed = set(not_replayed)
-    inside = set(range(graph.num_nodes)) if members is None else set(members)
-    if sinks is None:
-        sinks = (v for v in range(graph.num_nodes) if graph.feeds_sink[v])
-
-    def walk(seeds):
-        seen, stack = set(), list(seeds)
-        while stack:
-            v = stack.pop()
-            if v in seen:
-                continue
-            seen.add(v)
-            stack.extend(p for p in graph.inputs[v]
-                         if p in inside and p not in kept and p not in seen)
-        return sorted(seen)
-
-    top = walk(v for v in sinks if v not in kept)
-    owned = {k: ([] if k in not_replayed else walk([k])) for k in kept}
-    level = {k: 1 for k in kept}
-    for k in sorted(kept, reverse=True):
-        members = owned[k] or [k]
-        for v in members:
-            for p in graph.inputs[v]:
-                if p in kept and p != k:
-                    level[p] = max(level[p], level[k] + 1)
-    return Segments(top=top, owned=owned, level=level)
 
 
 def conv2d_gradient_workspace_bytes(output_pixels: int, window_pixels: int, in_channels: int,
@@ -177,35 +111,80 @@ def plain_peak_bytes(graph: graph_lib.ForwardGraph,
 
 
 def plan_peak_bytes(graph: graph_lib.ForwardGraph, kept: Iterable[int],
-                    not_replayed: Iterable[int] = (), segs: Segments | None = None,
+                    not_replayed: Iterable[int] = (), sched: schedule_lib.Schedule | None = None,
                     workspace_bytes: Sequence[int] | None = None) -> int:
-    """Predicted peak of forward + backward when ``kept`` are the only outputs kept
-    (``segs``: their :func:`segments`, if already at hand; ``workspace_bytes`` as in
+    """Predicted peak of forward + backward when ``kept`` are the only outputs kept (a
+    single-level plan; ``sched``: its schedule, if already at hand; ``workspace_bytes`` as in
     :func:`plain_peak_bytes`)."""
-    kept = set(kept)
-    segs = segments(graph, kept, not_replayed) if segs is None else segs
-    n = graph.num_nodes
-    consumers = graph.consumers()
-    release_at, top_retained = _backward_readers(graph, consumers, segs.top)
-    retained = {v: v in kept or top_retained.get(v, False) for v in range(n)}
-    ledger = _Ledger()
-    _forward(graph, range(n), consumers, retained, ledger, kept)
-    grads: set[int] = set()
-    for v in reversed(segs.top):
-        _backward_step(graph, v, grads, ledger, release_at, workspace_bytes)
-    for group in segs.levels():
-        for k in group:  # every reader of k is in a lower level, done by now
-            ledger.free(graph.size_bytes[k])  # kept: a view's buffer counts too
-        active = [k for k in group if k in grads]
-        recomputed = segs.recomputed(active)
-        release_at, saved = _backward_readers(graph, consumers, recomputed)
-        _forward(graph, recomputed, consumers, saved, ledger, kept=())
-        for v in reversed(recomputed):
-            _backward_step(graph, v, grads, ledger, release_at, workspace_bytes)
-        for k in active:
-            if k in grads:  # a never-replayed kept node: its gradient goes to xs
-                _backward_step(graph, k, grads, ledger, {}, workspace_bytes)
-    return ledger.peak
+    if sched is None:
+        sched = schedule_lib.build(graph, kept, not_replayed)
+    return replay(graph, sched, workspace_bytes)[0]
+
+
+def plan_peak_and_cost(graph: graph_lib.ForwardGraph, plan: plan_lib.Plan,
+                       workspace_bytes: Sequence[int] | None = None) -> tuple[int, float]:
+    """(predicted peak bytes, recompute cost) of a plan, nested levels included."""
+    return replay(graph, schedule_lib.of_plan(graph, plan), workspace_bytes)
+
+
+def replay(graph: graph_lib.ForwardGraph, sched: schedule_lib.Schedule,
+           workspace_bytes: Sequence[int] | None = None,
+           trace: list | None = None) -> tuple[int, float]:
+    """Replay a schedule in bytes, as the rewrite runs it: (peak bytes, recompute cost).
+
+    The cost counts a node once per time it is replayed (at depth d: d times); kept nodes
+    themselves are not counted. ``trace``, if given, receives the nodes each level recomputes,
+    in the order the levels run (what the rewrite copies; tests compare the two).
+    """
+    replayer = _Replayer(graph, workspace_bytes, trace)
+    replayer.run(sched)
+    return replayer.ledger.peak, replayer.cost
+
+
+class _Replayer:
+    """One replay: the ledger, the gradients alive, the recompute cost so far."""
+
+    def __init__(self, graph, workspace_bytes, trace):
+        self.graph = graph
+        self.consumers = graph.consumers()
+        self.workspace_bytes = workspace_bytes
+        self.trace = trace
+        self.ledger = _Ledger()
+        self.grads: set[int] = set()
+        self.cost = 0.0
+
+    def run(self, sched: schedule_lib.Schedule) -> None:
+        """Forward over the members keeping the kept nodes and what the top's backward reads,
+        the top backward, then each level: free its kept outputs (every reader is in a lower
+        level, done by now), replay its active segments forward and backward (or, with
+        sub-plans, as a schedule of their own), and step through never-replayed kept nodes."""
+        graph, ledger, grads, workspace = self.graph, self.ledger, self.grads, self.workspace_bytes
+        kept = sched.kept
+        release_at, top_retained = _backward_readers(graph, self.consumers, sched.top)
+        retained = {v: v in kept or top_retained.get(v, False) for v in sched.members}
+        _forward(graph, sched.members, self.consumers, retained, ledger, kept)
+        for v in reversed(sched.top):
+            _backward_step(graph, v, grads, ledger, release_at, workspace)
+        for level in sched.levels:
+            group = level.nodes
+            for k in group:
+                ledger.free(graph.size_bytes[k])  # kept: a view's buffer counts too
+            active = [k for k in group if k in grads]
+            recomputed = sched.recomputed(active)
+            self.cost += sum(graph.cost_of(v) for v in recomputed if v not in kept)
+            if self.trace is not None and recomputed:
+                self.trace.append(recomputed)
+            nested = sched.nested(graph, active)
+            if nested is not None:
+                self.run(nested)
+            else:
+                release, saved = _backward_readers(graph, self.consumers, recomputed)
+                _forward(graph, recomputed, self.consumers, saved, ledger, kept=())
+                for v in reversed(recomputed):
+                    _backward_step(graph, v, grads, ledger, release, workspace)
+            for k in active:
+                if k in grads:  # a never-replayed kept node: its gradient goes to xs
+                    _backward_step(graph, k, grads, ledger, {}, workspace)
 
 
 def retained_bytes(graph: graph_lib.ForwardGraph) -> list[int]:
@@ -282,7 +261,7 @@ def _backward_step(graph, v, grads: set, ledger, release_at,
         # An elementwise op's gradient kernel writes one input's gradient into its own buffer.
         reuse = v in grads and graph.forwards_buffer(v)
         for p in sorted(set(graph.inputs[v])):
-            if p not in grads and graph.size_bytes[p]:
+            if p not in grads and graph.size_bytes[p] and graph.carries_gradient(p):
                 grads.add(p)
                 if reuse and graph.size_bytes[p] == graph.size_bytes[v]:
                     reuse = False

@@ -2,18 +2,19 @@
 
 Every planner has the same contract: it takes a :class:`~memsave_grads.core.graph.ForwardGraph`, the
 nodes that must be kept anyway (stateful ops, intermediate ``xs``) and the candidate nodes, and
-returns the nodes to keep as checkpoints. Planners never touch TensorFlow.
+returns a :class:`~memsave_grads.core.plan.Plan`. Planners never touch TensorFlow.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterable, Sequence
 
 from absl import logging
 
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
+from memsave_grads.core import plan as plan_lib
+from memsave_grads.core import schedule as schedule_lib
 
 # --------------------------------------------------------------------------------------------
 # Frontier cuts: the "memory" planner for any DAG
@@ -31,25 +32,6 @@ EXPENSIVE_RECOMPUTE_WEIGHT = 10
 CAP_GRID_POINTS = 24
 #: How many of the plans ranked best by the quick estimate the memory model replays.
 SIMULATED_PLANS = 6
-
-
-@dataclasses.dataclass(frozen=True)
-class CutPlan:
-    """What :func:`frontier_cuts` chose and why.
-
-    Attributes:
-      kept: nodes whose outputs are kept (cuts, their single-owner closure, ``must_keep``).
-      cuts: the topological positions cut at; ``kept`` holds the live frontier of each.
-      segment_cap_bytes: the cap on recomputed bytes between cuts that gave this plan.
-      predicted_peak_bytes: :func:`memory_model.plan_peak_bytes` of the plan.
-      recompute_cost: recomputed nodes, expensive ones weighing EXPENSIVE_RECOMPUTE_WEIGHT.
-    """
-
-    kept: frozenset
-    cuts: tuple
-    segment_cap_bytes: int
-    predicted_peak_bytes: int
-    recompute_cost: int
 
 
 def _greedy_cuts(graph, uses, ends_at, allowed, cap_bytes: int) -> list[int]:
@@ -161,7 +143,7 @@ class CutSearch:
 
 
 def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
-                  candidates: Iterable[int], not_replayed: Iterable[int] = ()) -> CutPlan | None:
+                  candidates: Iterable[int], not_replayed: Iterable[int] = ()) -> plan_lib.Plan | None:
     """The ``"memory"`` planner: cut the graph where its live frontier is small.
 
     Any topological position cuts the graph if every tensor alive across it (its *live
@@ -203,11 +185,16 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     plans = []
     for cuts, (_, cap_bytes, kept) in sorted(quick.items(), key=lambda kv: kv[1][0])[
             :SIMULATED_PLANS]:
-        segs = memory_model.segments(graph, kept, not_replayed)
+        sched = schedule_lib.build(graph, kept, not_replayed)
+        # Expensive ops weigh more: among plans of equal peak, recompute the cheap ones.
         cost = sum(EXPENSIVE_RECOMPUTE_WEIGHT if graph.is_expensive(v) else 1
-                   for v in segs.replayed())
-        plans.append(CutPlan(frozenset(kept), cuts, cap_bytes,
-                             memory_model.plan_peak_bytes(graph, kept, not_replayed, segs), cost))
+                   for v in sched.replayed())
+        plans.append(plan_lib.Plan(
+            kept, not_replayed, planner="memory", cuts=cuts, segment_cap_bytes=cap_bytes,
+            predicted_peak_bytes=memory_model.plan_peak_bytes(graph, kept, not_replayed, sched),
+            recompute_cost=cost,
+            reason=f"frontier cuts at {len(cuts)} positions, at most {cap_bytes} bytes "
+                   "recomputed between cuts"))
     best_peak = min(p.predicted_peak_bytes for p in plans)
     if best_peak >= plain_peak:
         # Returned all the same: explain() reports it, and gradients() keeps tf.gradients'

@@ -1,0 +1,442 @@
+"""Argument checks for every entry point, run before any op is added to a graph.
+
+``gradients()`` (and ``patch()``, ``wrap_model()``, ``minimize()``, which call it or check
+their options ahead of it) refuse bad input here with our own errors
+(:mod:`memsave_grads.errors`): each names the argument, what was expected, what was given and
+the remedy. A check that TensorFlow makes only after it has added ops is made here first, so a
+failed call never leaves a half-built gradient in the user's graph.
+
+One function owns each check and its message:
+
+- :func:`check_arguments`: ``ys``, ``xs``, ``grad_ys`` and tf.gradients' own keyword arguments,
+  normalised into :class:`Arguments` (variables turned into the tensors tf.gradients
+  differentiates, xs of enclosing graphs resolved to the placeholders that captured them);
+- :func:`check_checkpoints`: the *form* of ``checkpoints=`` (strategy names, budgets, lists of
+  tensors or name patterns); what needs the graph (a tensor of another graph, a pattern that
+  matches nothing) is checked by ``_tf.selection.select_explicit``;
+- :func:`check_deferred_options`: what ``patch()`` and ``wrap_model()`` can check before any
+  graph exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import re
+
+import numpy as np
+import tensorflow as tf
+
+from memsave_grads import errors
+from memsave_grads._tf import graph as tf_graph
+from memsave_grads._tf import selection
+from memsave_grads.core import budgets
+from memsave_grads.core import policies
+
+#: Keyword arguments of tf.gradients we pass through (``name`` included).
+TF_GRADIENTS_KWARGS = ("name", "gate_gradients", "aggregation_method", "stop_gradients",
+                       "unconnected_gradients", "colocate_gradients_with_ops")
+
+#: ``aggregation_method`` values tf.gradients accepts besides None (``DEFAULT`` is ``ADD_N``).
+AGGREGATION_METHODS = {
+    "ADD_N": tf.AggregationMethod.ADD_N,
+    "EXPERIMENTAL_TREE": tf.AggregationMethod.EXPERIMENTAL_TREE,
+    "EXPERIMENTAL_ACCUMULATE_N": tf.AggregationMethod.EXPERIMENTAL_ACCUMULATE_N,
+}
+
+#: What a caller that wraps tf.gradients (patch, Keras) does where we have nothing to gain.
+FALLBACKS = ("warn", "error")
+
+# TensorFlow's own rules for a name scope (tensorflow/python/framework/ops.py, from
+# core/framework/node_def_util.cc): at the root the first character may not be '_', '-', '/'
+# or '\\'; inside another scope it may.
+_ROOT_SCOPE_NAME = re.compile(r"^[A-Za-z0-9.][A-Za-z0-9_.\\/>-]*$")
+_NESTED_SCOPE_NAME = re.compile(r"^[A-Za-z0-9_.\\/>-]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arguments:
+    """``gradients()``' arguments, checked and normalised (see :func:`check_arguments`).
+
+    Attributes:
+      graph: the innermost graph of ``ys``, where the gradient ops go.
+      ys: the ys as tensors (a variable as its handle).
+      given_xs: the xs as given, as tensors: a variable as the tensor tf.gradients
+        differentiates (its handle, or a reference variable's ``_ref`` tensor).
+      x_slots: per given x, the tensor through which ``graph`` reads it (itself, or the
+        placeholder that captured it), or None where ``graph`` never reads it.
+      grad_ys: one initial gradient (or None) per y.
+      user_stops: the ``stop_gradients`` tensors.
+      tf_kwargs: the other keyword arguments for tf.gradients (a bytes ``name`` decoded).
+      unconnected: ``unconnected_gradients`` as the enum.
+      scope: the name scope of the gradient ops.
+    """
+
+    graph: tf.Graph
+    ys: list
+    given_xs: list
+    x_slots: list
+    grad_ys: list
+    user_stops: list
+    tf_kwargs: dict
+    unconnected: tf.UnconnectedGradients
+    scope: str
+
+
+def check_arguments(ys, xs, grad_ys, tf_gradients_kwargs: dict) -> Arguments:
+    """Every argument of ``gradients()`` but ``checkpoints``, checked in the order a reader
+    would look for the mistake; adds nothing to the graph."""
+    unknown = sorted(set(tf_gradients_kwargs) - set(TF_GRADIENTS_KWARGS))
+    if unknown:
+        raise errors.InvalidTypeError(
+            f"gradients() got unexpected keyword argument(s) {unknown}; memsave_grads passes on "
+            f"only tf.gradients' own: {list(TF_GRADIENTS_KWARGS)}.")
+    graph, ys, given_xs, x_slots, grad_ys = _normalise(ys, xs, grad_ys)
+    check_not_finalized(graph)
+    _check_grad_ys(ys, grad_ys, graph)
+    kwargs = _check_tf_kwargs(tf_gradients_kwargs, graph)
+    user_stops = [check_graph_tensor(t, f"stop_gradients[{i}]", allow_variable=False)
+                  for i, t in enumerate(as_list(kwargs.pop("stop_gradients", None),
+                                                "stop_gradients", allow_none=True))
+                  if t is not None]
+    for i, t in enumerate(user_stops):
+        _check_same_or_enclosing_graph(t, f"stop_gradients[{i}]", "the tensor", graph)
+    unconnected = kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE)
+    try:
+        unconnected = tf.UnconnectedGradients(unconnected)
+    except ValueError:
+        raise errors.InvalidArgumentError(
+            f"unconnected_gradients: expected 'none' or 'zero' (tf.UnconnectedGradients), got "
+            f"{unconnected!r}.") from None
+    return Arguments(graph=graph, ys=ys, given_xs=given_xs, x_slots=x_slots, grad_ys=grad_ys,
+                     user_stops=user_stops, tf_kwargs=kwargs, unconnected=unconnected,
+                     scope=kwargs.get("name") or "gradients")
+
+
+# --------------------------------------------------------------------------------------------
+# ys, xs, grad_ys
+# --------------------------------------------------------------------------------------------
+
+def as_list(value, argname: str, allow_none: bool = False) -> list:
+    """``value`` as a list: a list or tuple as it is, anything else as its one item."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if value is None and not allow_none:
+        raise errors.InvalidArgumentError(
+            f"{argname}: expected a tensor or a list of tensors, got None.")
+    return [value]
+
+
+def check_graph_tensor(value, where: str, allow_variable: bool) -> tf.Tensor:
+    """``value`` as a graph tensor (a resource variable as its handle where allowed), or our
+    error naming ``where``."""
+    if allow_variable and tf_graph.is_resource_variable(value):
+        # Inside tf.function a variable created outside has an eager handle; converting it in
+        # the function's graph gives the captured placeholder its reads consume.
+        value = tf.convert_to_tensor(value.handle)
+    elif isinstance(value, tf.Variable):
+        raise errors.InvalidTypeError(
+            f"{where}: got a variable {value.name!r}; pass the tensor computed from it.")
+    if tf_graph.is_eager_tensor(value):
+        raise errors.EagerExecutionError(
+            f"{where}: got an eager tensor; memsave_grads rewrites graphs, and eager tensors have "
+            "none. Call it inside a tf.function or a tf.Graph (tf.compat.v1 graph mode), or use "
+            "tf.GradientTape in eager code.")
+    if not isinstance(value, tf.Tensor):
+        expected = "a tf.Tensor or a resource variable" if allow_variable else "a tf.Tensor"
+        raise errors.InvalidTypeError(
+            f"{where}: expected {expected}, got {type(value).__name__}: {value!r:.80}.")
+    return value
+
+
+def _given_x(value, where: str, graph: tf.Graph):
+    """An ``x`` as given, as a tensor: a variable's handle (resource) or ``_ref`` tensor
+    (TF1 reference variable, what tf.gradients differentiates), or the tensor itself."""
+    if tf_graph.is_resource_variable(value):
+        return value.handle
+    if tf_graph.is_reference_variable(value):
+        with graph.as_default():
+            return tf_graph.reference_tensor(value)
+    if tf_graph.is_eager_tensor(value):
+        if not tf_graph.is_function_graph(graph):
+            raise errors.EagerExecutionError(
+                f"{where}: got an eager tensor, but ys were built in a tf.Graph, which cannot "
+                "read eager values. Pass a tensor of that graph, or differentiate inside the "
+                "tf.function that uses the eager value (it captures it).")
+        return value
+    if not isinstance(value, tf.Tensor):
+        raise errors.InvalidTypeError(
+            f"{where}: expected a tf.Tensor or a variable, got {type(value).__name__}: "
+            f"{value!r:.80}.")
+    return value
+
+
+def _resolve_x(given, where: str, graph: tf.Graph, y_name: str):
+    """``given`` as the ops of ``graph`` read it: itself, or the placeholder that captured it
+    from an enclosing graph (design note "captured xs"); None where ``graph`` never reads it
+    (its gradient is None, as in tf.gradients)."""
+    if tf_graph.is_eager_tensor(given) or tf_graph.encloses(given.graph, graph):
+        return tf_graph.as_seen_from(given, graph)
+    raise errors.InvalidArgumentError(
+        f"{where}: {given.name!r} belongs to a graph that neither is nor encloses the graph of "
+        f"ys[0] ({y_name!r}), so ys cannot depend on it. Differentiate with respect to tensors "
+        "of the same graph or tf.function, or of a graph enclosing it.")
+
+
+def _normalise(ys, xs, grad_ys):
+    """Validated ``(graph, ys, given_xs, xs, grad_ys)``: ``given_xs`` as tensors (variables
+    turned into what tf.gradients differentiates), ``xs`` the same as read in ys' graph (None
+    where never read there)."""
+    ys = [check_graph_tensor(y, f"ys[{i}]", allow_variable=True)
+          for i, y in enumerate(as_list(ys, "ys"))]
+    if not ys:
+        raise errors.InvalidArgumentError("ys: got an empty list; pass at least one tensor.")
+    # ys may also come from graphs enclosing the innermost one, as in tf.gradients.
+    graph = next((t.graph for t in ys if all(tf_graph.encloses(u.graph, t.graph) for u in ys)),
+                 None)
+    if graph is None:
+        raise errors.InvalidArgumentError(
+            f"ys: {', '.join(repr(t.name) for t in ys[:4])} belong to graphs of which none is "
+            "enclosed by all the others (a tf.function and its enclosing graphs). Build all ys "
+            "in one graph or tf.function, or in graphs enclosing it.")
+    inner_name = next(t.name for t in ys if t.graph is graph)
+    given_xs = [_given_x(x, f"xs[{i}]", graph) for i, x in enumerate(as_list(xs, "xs"))]
+    resolved = [_resolve_x(x, f"xs[{i}]", graph, inner_name) for i, x in enumerate(given_xs)]
+    for name, tensors in (("ys", ys), ("xs", given_xs)):
+        if tensors and not any(tf_graph.carries_gradients(t) for t in tensors):
+            given = ", ".join(f"{_describe_tensor(t)} ({t.dtype.name})" for t in tensors[:3])
+            raise errors.NotDifferentiableError(
+                f"{name}: expected at least one floating-point or complex tensor, got only "
+                f"{given}{', ...' if len(tensors) > 3 else ''}. Gradients do not flow through "
+                "integer or boolean tensors (tf.gradients returns None for them); differentiate "
+                "a float loss with respect to float tensors or variables, casting with tf.cast "
+                "where needed.")
+    if grad_ys is None:
+        grad_ys = [None] * len(ys)
+    else:
+        grad_ys = as_list(grad_ys, "grad_ys")
+        if len(grad_ys) != len(ys):
+            raise errors.InvalidArgumentError(
+                f"grad_ys: expected one entry per y ({len(ys)}), got {len(grad_ys)}. Pass None "
+                "for a y whose initial gradient is ones.")
+    return graph, ys, given_xs, resolved, grad_ys
+
+
+def _describe_tensor(t) -> str:
+    return repr(t.name) if not tf_graph.is_eager_tensor(t) else "an eager tensor"
+
+
+def check_not_finalized(graph: tf.Graph) -> None:
+    """Refuse a finalized graph, where no gradient op (ours or tf.gradients') can go."""
+    if graph.finalized:
+        raise errors.FinalizedGraphError(
+            "ys: the graph of ys is finalized (graph.finalize() was called, as "
+            "tf.compat.v1.train.MonitoredSession and Supervisor do), so no gradient op can be "
+            "added to it; tf.gradients cannot add its own either. Build the gradients (or call "
+            "optimizer.minimize) before the graph is finalized, i.e. before creating the session.")
+
+
+def _check_same_or_enclosing_graph(t: tf.Tensor, where: str, what: str, graph: tf.Graph) -> None:
+    # A tf.function captures tensors of the graphs it is traced in, so tf.gradients accepts
+    # them there; any other graph is an error in TensorFlow too ("must be from the same graph").
+    if not tf_graph.is_eager_tensor(t) and not tf_graph.encloses(t.graph, graph):
+        raise errors.InvalidArgumentError(
+            f"{where}: {what} {t.name!r} belongs to a graph that neither is nor encloses the "
+            "graph of ys. Build it in the graph (or tf.function) that computes ys.")
+
+
+def _grad_y_signature(grad_y, where: str, graph: tf.Graph) -> tuple[tf.DType, tf.TensorShape]:
+    """The dtype and static shape ``grad_y`` has once tf.gradients converts it, found without
+    adding an op (a constant would be one)."""
+    if isinstance(grad_y, tf.IndexedSlices):
+        for part in (grad_y.values, grad_y.indices, grad_y.dense_shape):
+            if isinstance(part, tf.Tensor):
+                _check_same_or_enclosing_graph(part, where, "the IndexedSlices' tensor", graph)
+        return grad_y.dtype, grad_y.shape  # an unknown dense_shape gives an unknown shape
+    if tf_graph.is_resource_variable(grad_y):
+        _check_same_or_enclosing_graph(grad_y.handle, where, "the variable handle", graph)
+        return grad_y.dtype, grad_y.shape
+    if tf_graph.is_reference_variable(grad_y):
+        _check_same_or_enclosing_graph(tf_graph.reference_tensor(grad_y), where,
+                                       "the variable", graph)
+        return grad_y.dtype.base_dtype, grad_y.shape
+    if isinstance(grad_y, tf.Tensor):
+        if tf_graph.is_eager_tensor(grad_y) and not tf_graph.is_function_graph(graph):
+            raise errors.EagerExecutionError(
+                f"{where}: got an eager tensor, which a tf.Graph cannot read (only a "
+                "tf.function captures eager values). Build grad_ys in the graph of ys, or pass "
+                "a NumPy array.")
+        _check_same_or_enclosing_graph(grad_y, where, "the tensor", graph)
+        return grad_y.dtype, grad_y.shape
+    if isinstance(grad_y, (np.ndarray, np.generic)):
+        try:
+            return tf.as_dtype(grad_y.dtype), tf.TensorShape(grad_y.shape)
+        except TypeError:
+            pass  # an object array: refused below
+    else:
+        try:  # what tf.constant would make of a number or nested list, without making it
+            proto = tf.make_tensor_proto(grad_y)
+            return tf.as_dtype(proto.dtype), tf.TensorShape(proto.tensor_shape)
+        except (TypeError, ValueError):
+            pass
+    raise errors.InvalidTypeError(
+        f"{where}: expected a tf.Tensor, tf.IndexedSlices, NumPy array, number or nested list "
+        f"(or None for ones), got {type(grad_y).__name__}: {grad_y!r:.80}.")
+
+
+def _check_grad_ys(ys: list, grad_ys: list, graph: tf.Graph) -> None:
+    """What tf.gradients (``gradients_util._DefaultGradYs``) refuses, refused before any op
+    exists; and more strictly: a float or complex y needs a grad_y of its own dtype and a
+    compatible shape (tf.gradients fails later, in some op's gradient, or broadcasts silently)."""
+    for i, (y, grad_y) in enumerate(zip(ys, grad_ys)):
+        where, y_desc = f"grad_ys[{i}]", f"ys[{i}] {y.name!r}"
+        if grad_y is None:
+            if y.dtype.is_complex:
+                raise errors.InvalidTypeError(
+                    f"{where}: {y_desc} is complex ({y.dtype.name}), so its initial gradient "
+                    "cannot default to ones (tf.gradients refuses it too); got None. Pass the "
+                    "initial gradient explicitly.")
+            continue
+        dtype, shape = _grad_y_signature(grad_y, where, graph)
+        if y.dtype.is_floating or y.dtype.is_complex:
+            dtype_ok = dtype.base_dtype == y.dtype.base_dtype
+            expected = y.dtype.name
+        elif y.dtype.is_integer:
+            dtype_ok = dtype.is_integer or dtype.is_floating
+            expected = "an integer or floating-point dtype"
+        elif y.dtype == tf.resource:  # a variable's handle: its gradient is a value, not a handle
+            dtype_ok = dtype != tf.resource
+            expected = "a numeric dtype"
+        elif y.dtype == tf.variant:
+            dtype_ok = dtype == tf.variant
+            expected = "variant"
+        else:
+            raise errors.InvalidTypeError(
+                f"{where}: {y_desc} has dtype {y.dtype.name}, which carries no gradient, so it "
+                "takes no initial gradient; got one. Pass None for it, or leave it out of ys.")
+        if not dtype_ok:
+            raise errors.InvalidTypeError(
+                f"{where}: expected {expected} (the dtype of {y_desc}), got {dtype.name}. "
+                f"Cast it: tf.cast(grad_y, {y.dtype.name!r}).")
+        # A handle's static shape is () whatever the variable's: nothing to compare there.
+        if y.dtype != tf.resource and not shape.is_compatible_with(y.shape):
+            raise errors.InvalidArgumentError(
+                f"{where}: expected a shape compatible with {y_desc}, {y.shape}, got {shape}. "
+                "Pass one initial gradient of each y's shape, or None for ones.")
+
+
+def _check_tf_kwargs(kwargs: dict, graph: tf.Graph) -> dict:
+    """``name`` and ``aggregation_method``, checked as tf.gradients checks them only once it has
+    added ops; returns ``kwargs`` with a bytes ``name`` decoded (our scopes are built from it)."""
+    kwargs = dict(kwargs)
+    name = kwargs.get("name")
+    if isinstance(name, bytes):
+        try:
+            name = kwargs["name"] = name.decode("utf-8")
+        except UnicodeDecodeError:
+            pass  # refused below as not a string
+    if name is not None:
+        if not isinstance(name, str):
+            raise errors.InvalidTypeError(
+                f"name: expected a string (a name scope) or None, got {type(name).__name__}: "
+                f"{name!r:.80}.")
+        regex = _NESTED_SCOPE_NAME if graph.get_name_scope() else _ROOT_SCOPE_NAME
+        if name and not regex.match(name):
+            raise errors.InvalidArgumentError(
+                f"name: expected a valid name scope (letters, digits and '_.-/>\\', matching "
+                f"{regex.pattern}), got {name!r}. Example: name='gradients'.")
+    method = kwargs.get("aggregation_method")
+    if method is not None and not (isinstance(method, numbers.Integral)
+                                   and method in AGGREGATION_METHODS.values()):
+        constants = ", ".join(f"tf.AggregationMethod.{k} ({v})"
+                              for k, v in AGGREGATION_METHODS.items())
+        raise errors.InvalidArgumentError(
+            f"aggregation_method: expected None or one of {constants}, got {method!r:.80}.")
+    return kwargs
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints= and fallback=
+# --------------------------------------------------------------------------------------------
+
+def _accepted_checkpoints(tensors_allowed: bool) -> str:
+    lists = ("a list of tensors or a list of name patterns" if tensors_allowed
+             else "a list of name patterns")
+    return (f"a strategy name ({', '.join(sorted(selection.STRATEGIES))}), a budget "
+            f"('budget:4GiB', 'budget:50%', memsave_grads.Budget) or {lists}")
+
+
+def check_checkpoints(checkpoints, tensors_unavailable: str | None = None) -> None:
+    """Refuse a ``checkpoints=`` argument of the wrong form (one message per mistake, whoever
+    the caller): an unknown strategy name, a malformed budget, an empty list, a list item that
+    is neither a graph tensor nor a well-formed name pattern, or another type.
+
+    Args:
+      checkpoints: as given to ``gradients()``, ``patch()`` or ``wrap_model()``.
+      tensors_unavailable: why tensors cannot be given here (Keras traces the training step
+        after ``wrap_model`` returns), or None where they can: then lists must hold patterns.
+    """
+    tensors_allowed = tensors_unavailable is None
+    if isinstance(checkpoints, budgets.Budget):
+        return  # checked when it was made
+    if budgets.is_budget_string(checkpoints):
+        budgets.Budget.parse(checkpoints)
+        return
+    if isinstance(checkpoints, str):
+        if checkpoints not in selection.STRATEGIES:
+            raise errors.UnknownStrategyError(
+                f"checkpoints: unknown strategy {checkpoints!r}. Expected "
+                f"{_accepted_checkpoints(tensors_allowed)}; a single name pattern must be "
+                "wrapped in a list.")
+        return
+    if tensors_allowed and isinstance(checkpoints, tf.Tensor):
+        checkpoints = [checkpoints]
+    if not isinstance(checkpoints, (list, tuple)):
+        raise errors.InvalidTypeError(
+            f"checkpoints: expected {_accepted_checkpoints(tensors_allowed)}, got "
+            f"{type(checkpoints).__name__}: {checkpoints!r:.80}.")
+    if not checkpoints:
+        items = "tensor or name pattern" if tensors_allowed else "name pattern"
+        raise errors.InvalidArgumentError(
+            f"checkpoints: got an empty list. Pass at least one {items}, a strategy name "
+            f"({', '.join(sorted(selection.STRATEGIES))}) or a budget ('budget:50%').")
+    for position, item in enumerate(checkpoints):
+        _check_checkpoint_item(item, f"checkpoints[{position}]", tensors_unavailable)
+
+
+def _check_checkpoint_item(item, where: str, tensors_unavailable: str | None) -> None:
+    if isinstance(item, str):
+        problem = policies.pattern_error(item)
+        if problem:
+            raise errors.InvalidArgumentError(
+                f"{where}: malformed name pattern {item!r}: {problem}. Patterns are "
+                "shell-style globs over op names ('block*/add') or tensor names "
+                "('block*/add:0').")
+        return
+    if tensors_unavailable is not None:
+        raise errors.InvalidTypeError(
+            f"{where}: expected a name pattern (str), got {type(item).__name__}: "
+            f"{item!r:.80}. {tensors_unavailable}")
+    if tf_graph.is_resource_variable(item) or not isinstance(item, tf.Tensor):
+        raise errors.InvalidTypeError(
+            f"{where}: expected a tf.Tensor of the forward pass or a name pattern (str), "
+            f"got {type(item).__name__}: {item!r:.80}. Pass the activation tensor.")
+    if tf_graph.is_eager_tensor(item):
+        raise errors.InvalidTypeError(
+            f"{where}: got an eager tensor (a value, not part of a graph). Pass the graph "
+            "tensor built in the same graph or tf.function as ys.")
+
+
+def check_fallback(fallback) -> None:
+    """Refuse a ``fallback=`` other than :data:`FALLBACKS`."""
+    if fallback not in FALLBACKS:
+        raise errors.InvalidArgumentError(
+            f"fallback: expected one of {list(FALLBACKS)}, got {fallback!r}.")
+
+
+def check_deferred_options(checkpoints, fallback, tensors_unavailable: str | None = None) -> None:
+    """What ``patch()`` and ``wrap_model()`` can check before any graph exists, so that a
+    mistake surfaces where it was made rather than at the first gradient: ``fallback`` and the
+    form of ``checkpoints`` (see :func:`check_checkpoints`)."""
+    check_fallback(fallback)
+    check_checkpoints(checkpoints, tensors_unavailable)

@@ -1,0 +1,222 @@
+"""The subcommands of ``memsave-grads``: each measures, prints its tables, returns an exit code.
+
+:mod:`memsave_grads.cli` parses and validates the arguments, sets the allocator environment and
+only then imports this module (and with it TensorFlow). Every function takes the parsed
+``argparse.Namespace``. Tables go to stdout, progress to absl logging (stderr); with
+``--output FILE`` the tables are also written to a markdown file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+
+import tensorflow as tf
+from absl import logging
+
+from memsave_grads import _explain as explain_lib
+from memsave_grads import measure
+from memsave_grads.bench import harness
+from memsave_grads.bench import models
+from memsave_grads.bench import solvers as bench_solvers
+from memsave_grads.core import memory_model
+from memsave_grads.core import solvers as core_solvers
+
+
+def _environment_line() -> str:
+    return (f"TensorFlow {tf.__version__}, device {measure.default_device()}, "
+            f"{os.cpu_count()} CPU cores")
+
+
+def _write(args: argparse.Namespace, text: str, title: str) -> None:
+    """Print ``text``; with ``--output``, also write it under ``title`` to that file."""
+    print(text)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(f"# {title}\n\n{datetime.date.today().isoformat()}, {_environment_line()}."
+                    f"\n\n{text}\n")
+        logging.info("wrote %s", args.output)
+
+
+def _budget_methods(fractions) -> list[harness.Method]:
+    """tf.gradients, then one budget method per fraction of its predicted peak."""
+    return [harness.REFERENCE] + [harness.Method(f"budget {f:.0%}", f"budget:{f * 100:g}%")
+                                  for f in fractions]
+
+
+def demo(args: argparse.Namespace) -> int:
+    """``demo``: the residual MLP, three methods, one table."""
+    spec = models.residual_mlp(args.depth, args.width, args.batch)
+    activation_mib = args.batch * args.width * 4 / measure.MIB
+    weights_mib = args.depth * args.width * args.width * 4 / measure.MIB
+    print(f"{spec.description}; {activation_mib:.3g} MiB per activation, "
+          f"{weights_mib:.3g} MiB of weights; one SGD step per run, median of "
+          f"{args.repeats}. {_environment_line()}.\n", flush=True)
+    start = time.perf_counter()
+    results = harness.measure_model(spec, repeats=args.repeats)
+    logging.info("demo measured in %.1f s", time.perf_counter() - start)
+    print(harness.demo_table(results))
+    print()
+    for method in harness.DEFAULT_METHODS[1:]:
+        line = harness.summary_line(results, method)
+        if line and method is not harness.MEMORY:
+            print(line)
+    line = harness.summary_line(results, harness.MEMORY)
+    print(line or f"{harness.MEMORY.label}: n/a ({results[1].skipped or results[1].failed})")
+    return 0
+
+
+def benchmark(args: argparse.Namespace) -> int:
+    """``benchmark``: every model family; returns 1 if a model failed unexpectedly."""
+    specs = models.select(models.benchmark_models(), args.models)
+    all_results = []
+    status = 0
+    start = time.perf_counter()
+    for i, spec in enumerate(specs, 1):
+        logging.info("[%d/%d] %s ...", i, len(specs), spec.description)
+        model_start = time.perf_counter()
+        try:
+            results = harness.measure_model(spec, repeats=args.repeats)
+        except Exception as e:  # pylint: disable=broad-except  # keep the other models' rows
+            logging.exception("[%d/%d] %s failed", i, len(specs), spec.name)
+            results = harness.failed_results(spec, harness.DEFAULT_METHODS, e)
+            status = 1
+        all_results.append(results)
+        summary = "; ".join(filter(None, (harness.summary_line(results, m)
+                                          for m in harness.DEFAULT_METHODS[1:])))
+        logging.info("[%d/%d] %s done in %.1f s. %s", i, len(specs), spec.name,
+                     time.perf_counter() - model_start, summary or "")
+    logging.info("benchmark measured in %.1f s", time.perf_counter() - start)
+
+    table = harness.benchmark_table(all_results)
+    print(table)
+    print()
+    print(harness.TABLE_NOTES)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write("# memsave_grads benchmark\n\n")
+            f.write(f"{datetime.date.today().isoformat()}, {_environment_line()}, "
+                    f"median of {args.repeats} steps.\n\n")
+            f.write(table + "\n\n" + harness.TABLE_NOTES + "\n")
+        logging.info("wrote %s", args.output)
+    return status
+
+
+def scaling(args: argparse.Namespace) -> int:
+    """``scaling``: peak vs depth (table + optional PNG), then rewrite-time ratios."""
+    methods = (harness.REFERENCE, harness.MEMORY)
+    points, peak_ratios = [], []
+    specs = models.scaling_models()
+    for i, (depth, spec) in enumerate(zip(models.SCALING_DEPTHS, specs), 1):
+        logging.info("[%d/%d] %s ...", i, len(specs), spec.description)
+        plain, ours = harness.measure_model(spec, methods, repeats=1)
+        points.append((depth, plain.peak_bytes / measure.MIB, ours.peak_bytes / measure.MIB))
+        peak_ratios.append(harness.format_peak_ratio(plain.peak_bytes, ours.peak_bytes))
+    peak_table = harness.scaling_table(points, peak_ratios)
+    print(f"Residual MLP family, width 512, batch 128 (one activation 0.25 MiB):\n\n{peak_table}\n")
+    if args.plot:
+        _plot_scaling(points, args.plot)
+
+    build_specs = [models.tanh_mlp(depth=1000, width=64, batch=64)]
+    build_specs += models.select(models.keras_models(), args.models)
+    rows = []
+    for i, spec in enumerate(build_specs, 1):
+        logging.info("[%d/%d] rewrite time of %s ...", i, len(build_specs), spec.name)
+        plain_s, ours_s, forward_ops = harness.measure_build_seconds(spec)
+        rows.append((spec.name, forward_ops, plain_s, ours_s))
+    build_table = harness.build_time_table(rows)
+    print("Graph construction time (best of 3, fresh graph each):\n\n" + build_table)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(f"# memsave_grads scaling\n\n{datetime.date.today().isoformat()}, "
+                    f"{_environment_line()}.\n\n{peak_table}\n\n{build_table}\n")
+    return 0
+
+
+def _plot_scaling(points, path: str) -> None:
+    # matplotlib is optional; the command line checked that it is installed before measuring.
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    from matplotlib import pyplot  # pylint: disable=import-outside-toplevel
+    depths = [p[0] for p in points]
+    figure, axes = pyplot.subplots(figsize=(6, 4))
+    axes.plot(depths, [p[1] for p in points], "o-", label="tf.gradients")
+    axes.plot(depths, [p[2] for p in points], "s-", label="memsave_grads 'memory'")
+    scale = points[-1][2] / points[-1][0] ** 0.5
+    axes.plot(depths, [scale * d ** 0.5 for d in depths], ":", color="gray",
+              label="c * sqrt(depth)")
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log", base=2)
+    axes.set_xlabel("residual blocks (depth)")
+    axes.set_ylabel("peak memory of one training step (MiB)")
+    axes.set_title("Residual MLP, width 512, batch 128 (CPU, BFC allocator)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    logging.info("wrote %s", path)
+
+
+def explain(args: argparse.Namespace) -> int:
+    """``explain``: print the plan of each selected model (graphs only)."""
+    for spec in models.select(models.benchmark_models(), args.models):
+        with tf.Graph().as_default():
+            loss, variables = spec.build()
+            report = explain_lib.explain(loss, variables, checkpoints=args.checkpoints)
+        print(f"## {spec.description}\n{report}\n")
+    return 0
+
+
+def budgets(args: argparse.Namespace) -> int:
+    """``budgets``: measured peak and overhead under budgets, per model."""
+    methods = _budget_methods(args.fractions)
+    all_results, status = [], 0
+    for i, spec in enumerate(models.select(models.benchmark_models(), args.models), 1):
+        logging.info("[%d] %s ...", i, spec.description)
+        try:
+            all_results.append(harness.measure_model(spec, methods, repeats=args.repeats))
+        except Exception as e:  # pylint: disable=broad-except  # keep the other models' rows
+            logging.exception("%s failed", spec.name)
+            all_results.append(harness.failed_results(spec, methods, e))
+            status = 1
+    _write(args, harness.budget_table(all_results) + "\n\n" + harness.BUDGET_NOTES,
+           "memsave_grads under memory budgets")
+    return status
+
+
+#: The network ``tradeoff`` draws when no --models is given.
+TRADEOFF_DEFAULT_MODELS = ("resnet50",)
+
+
+def tradeoff(args: argparse.Namespace) -> int:
+    """``tradeoff``: Pareto front (predicted) with measured points, per model."""
+    specs = models.select(models.benchmark_models(), args.models or TRADEOFF_DEFAULT_MODELS)
+    sections, curves = [], []
+    for spec in specs:
+        with tf.Graph().as_default():
+            problem = bench_solvers.problem_for(*spec.build())
+        total = sum(problem.graph.cost_of(v) for v in range(problem.graph.num_nodes))
+        plain = memory_model.plain_peak_bytes(problem.graph)
+        front = core_solvers.tradeoff(problem.with_budget(plain), points=16)
+        methods = _budget_methods(args.fractions)
+        measured = harness.measure_model(spec, methods, repeats=args.repeats)
+        sections.append(harness.tradeoff_table(spec.name, front, total, plain, measured))
+        curves.append((spec.name, front, total, plain, measured))
+    _write(args, "\n\n".join(sections), "Peak memory vs recompute: the trade-off curve")
+    if args.plot:
+        harness.plot_tradeoff(curves, args.plot)
+    return 0
+
+
+def solvers_command(args: argparse.Namespace) -> int:
+    """``solvers``: greedy vs dp vs milp on small graphs."""
+    rows = bench_solvers.compare()
+    _write(args, bench_solvers.comparison_table(rows) + "\n\n" + bench_solvers.NOTES,
+           "Budget solvers on small graphs")
+    return 0
+
+
+#: Subcommand name -> its function (the parser in memsave_grads.cli has one subparser each).
+COMMANDS = {"demo": demo, "benchmark": benchmark, "scaling": scaling, "explain": explain,
+            "budgets": budgets, "tradeoff": tradeoff, "solvers": solvers_command}

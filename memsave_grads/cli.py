@@ -1,0 +1,386 @@
+"""The command line: ``memsave-grads <command> [options]`` (or ``python -m memsave_grads``).
+
+It compares ``tf.gradients`` with ``memsave_grads`` on peak memory, time and accuracy; the
+tables in README.md and docs/ come from its subcommands (implemented in
+:mod:`memsave_grads.bench.commands`). ``memsave-grads --help`` lists them, ``memsave-grads
+<command> --help`` shows one command's options and their defaults.
+
+Parsing happens before TensorFlow is imported, for two reasons:
+
+* speed: ``--help``, ``--version`` and usage errors import neither TensorFlow nor Keras nor
+  the benchmark (``import memsave_grads`` is lazy, and :mod:`memsave_grads.core` is
+  TensorFlow-free), and every argument is checked, ``--models`` against the model names
+  included, before any model is built;
+* the allocator: peaks on CPU need ``TF_CPU_ALLOCATOR_USE_BFC=true`` in the environment before
+  TensorFlow is imported (docs/design.md, fact 5). :func:`main` sets it, with
+  ``TF_CPP_MIN_LOG_LEVEL=2`` unless the user chose a level, and only then imports the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+import warnings
+from typing import Callable, Sequence
+
+from memsave_grads import __version__
+from memsave_grads import errors
+from memsave_grads import measure
+from memsave_grads.core import budgets
+
+PROG = "memsave-grads"
+
+#: The ``checkpoints=`` strategy names, for validating ``explain --checkpoints`` without
+#: importing TensorFlow. Kept equal to ``memsave_grads._tf.selection.STRATEGIES`` by
+#: tests/test_cli.py.
+STRATEGY_NAMES = ("collection", "memory", "speed")
+
+#: TensorFlow's C++ log level unless the user set one: 2 hides INFO and WARNING start-up lines
+#: (oneDNN, CPU features) and keeps errors.
+TF_LOG_LEVEL_ENV = "TF_CPP_MIN_LOG_LEVEL"
+QUIET_TF_LOG_LEVEL = "2"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr, exit status 2."""
+
+    def __init__(self, *args, **kwargs):
+        # Room for "benchmark" and "--fractions F,F,..." beside their help.
+        kwargs.setdefault("formatter_class",
+                          lambda prog: argparse.HelpFormatter(prog, max_help_position=30))
+        kwargs.setdefault("allow_abbrev", False)  # "--dep" is a typo, not --depth
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Argument types: each raises ArgumentTypeError, which argparse reports as
+# "argument --flag: <message>".
+# --------------------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _fractions(text: str) -> list[float]:
+    """``0.75,0.5``: budgets as fractions of tf.gradients' predicted peak, each in (0, 1]."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated fractions in (0, 1] such as '0.75,0.5', got {item!r} "
+                f"in {text!r}")
+        values.append(value)
+    return values
+
+
+def _model_filter(catalogue: str) -> Callable[[str], list[str]]:
+    """A type for ``--models``: comma-separated name substrings, each matching a model of
+    ``memsave_grads.bench.models.<catalogue>()`` (names only: nothing is built)."""
+    def parse(text: str) -> list[str]:
+        from memsave_grads.bench import models  # pylint: disable=import-outside-toplevel
+        filters = [item.strip() for item in text.split(",") if item.strip()]
+        candidates = getattr(models, catalogue)()
+        unmatched = models.unmatched_filters(candidates, filters)
+        if not filters or unmatched:
+            names = ", ".join(spec.name for spec in candidates)
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated substrings of model names (case-insensitive; one of: "
+                f"{names}), got {', '.join(map(repr, unmatched)) or repr(text)}")
+        return filters
+    return parse
+
+
+def _checkpoints(text: str) -> str:
+    """A strategy name or a budget string, checked without TensorFlow."""
+    if budgets.is_budget_string(text):
+        try:
+            budgets.Budget.parse(text)
+        except errors.MemsaveGradsError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("checkpoints: ")) from None
+    elif text not in STRATEGY_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"expected a strategy ({', '.join(STRATEGY_NAMES)}) or a budget such as "
+            f"'budget:50%' or 'budget:4GiB', got {text!r}")
+    return text
+
+
+def _writable_path(text: str) -> str:
+    """A file to write at the end of a long run: its folder must exist now."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(
+            f"expected a file in an existing folder, got {text!r} ({folder} does not exist)")
+    return text
+
+
+def _plot_path(text: str) -> str:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError(
+            f"writing the plot {text!r} needs matplotlib, which is not installed: pip install "
+            "'memsave-grads[bench]' (or pip install matplotlib)")
+    return _writable_path(text)
+
+
+# --------------------------------------------------------------------------------------------
+# The parser
+# --------------------------------------------------------------------------------------------
+
+
+def _add_repeats(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=_positive_int, default=3, metavar="N",
+                        help="timed training steps per method, after one warm-up step; the "
+                             "median is reported (default: %(default)s)")
+
+
+def _add_models(parser: argparse.ArgumentParser, default: str = "all",
+                catalogue: str = "benchmark_models") -> None:
+    parser.add_argument("--models", type=_model_filter(catalogue), default=[], metavar="NAMES",
+                        help="only the models whose name contains one of these comma-separated "
+                             "substrings (case-insensitive), e.g. 'resnet,tanh' "
+                             f"(default: {default})")
+
+
+def _add_fractions(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fractions", type=_fractions, default=[0.75, 0.5, 0.35],
+                        metavar="F,F,...",
+                        help="budgets as fractions of tf.gradients' predicted peak "
+                             "(default: 0.75,0.5,0.35)")
+
+
+def _add_output(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", type=_writable_path, metavar="FILE",
+                        help="also write the tables to this markdown file")
+
+
+def _add_plot(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--plot", type=_plot_path, metavar="FILE",
+                        help=f"write {what} to this PNG file (needs matplotlib)")
+
+
+#: (name, one-line help, description) of each subcommand, in the order --help lists them.
+_COMMANDS = (
+    ("demo", "one SGD step of a deep residual MLP, three ways, as a table",
+     "One SGD step of a deep residual MLP (h = h + tanh(h @ W_i)) in a tf.compat.v1 Session, "
+     "three ways: tf.gradients, memsave_grads 'memory' and 'speed'. Prints a markdown table of "
+     "peak memory, median step time and gradient error."),
+    ("benchmark", "the same measurements over model-scale networks",
+     "The demo's measurements over model-scale networks: Keras 2 (tf_keras) ResNet50, "
+     "DenseNet121, MobileNetV2, a U-Net and a Transformer encoder stack, a deep residual MLP, "
+     "a tanh MLP chain and a small conv ResNet, with the predicted peak of the static memory "
+     "model. Progress on stderr, the table on stdout. Needs: pip install "
+     "'memsave-grads[bench]'."),
+    ("scaling", "peak memory vs depth, and the rewrite time of large graphs",
+     "Peak memory vs depth of the residual MLP family (8..256 blocks), tf.gradients vs "
+     "'memory', as a table (and a PNG with --plot); then the rewrite time of a 1,000-layer "
+     "chain and of every --models Keras graph against plain tf.gradients graph construction."),
+    ("explain", "the plan a strategy makes for each network (builds graphs, runs nothing)",
+     "The plan 'memory' (or --checkpoints) makes for each --models network: checkpoints, "
+     "segments, predicted peak vs tf.gradients. Builds graphs only; runs nothing."),
+    ("budgets", "measured peak and step time under memory budgets",
+     "One training step of each --models network under memory budgets of --fractions of "
+     "tf.gradients' predicted peak: measured peak against the budget taken from tf.gradients' "
+     "*measured* peak, step-time overhead, solve time."),
+    ("tradeoff", "the Pareto front of peak memory vs recomputed FLOPs",
+     "The Pareto front of predicted peak vs recomputed FLOPs across budgets for each --models "
+     "network, as a table (and, with --plot, a PNG with measured points at --fractions)."),
+    ("solvers", "the greedy budget solver against the exact ones on small graphs",
+     "The greedy heuristic against the exact solvers (dp, milp) on graphs of <= 200 ops: "
+     "recompute cost at each budget, relative to the best plan found, and solve times."),
+)
+
+
+def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
+    if name == "demo":
+        parser.add_argument("--depth", type=_positive_int, default=64, metavar="N",
+                            help="residual blocks (default: %(default)s)")
+        parser.add_argument("--width", type=_positive_int, default=1024, metavar="N",
+                            help="units per layer (default: %(default)s)")
+        parser.add_argument("--batch", type=_positive_int, default=256, metavar="N",
+                            help="batch size (default: %(default)s)")
+        _add_repeats(parser)
+    elif name == "benchmark":
+        _add_repeats(parser)
+        _add_models(parser)
+        _add_output(parser)
+    elif name == "scaling":
+        _add_models(parser, default="all Keras networks", catalogue="keras_models")
+        _add_plot(parser, "the peak-vs-depth plot")
+        _add_output(parser)
+    elif name == "explain":
+        _add_models(parser)
+        parser.add_argument("--checkpoints", type=_checkpoints, default="memory",
+                            metavar="STRATEGY",
+                            help="the strategy to explain: "
+                                 f"{', '.join(STRATEGY_NAMES)} or a budget such as "
+                                 "'budget:50%%' (default: %(default)s)")
+    elif name == "budgets":
+        _add_models(parser)
+        _add_fractions(parser)
+        _add_repeats(parser)
+        _add_output(parser)
+    elif name == "tradeoff":
+        _add_models(parser, default="ResNet50")
+        _add_fractions(parser)
+        _add_repeats(parser)
+        _add_plot(parser, "the front and the measured points")
+        _add_output(parser)
+    elif name == "solvers":
+        _add_output(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``memsave-grads``: one subparser per command (cheap: imports nothing)."""
+    parser = _Parser(
+        prog=PROG,
+        description="Compare tf.gradients with memsave_grads on peak memory, time and accuracy.",
+        epilog=f"'{PROG} COMMAND --help' shows a command's options. Peak memory on CPU needs "
+               f"{measure.CPU_BFC_ENV}=true before TensorFlow is imported: the command sets it, "
+               f"and {TF_LOG_LEVEL_ENV}={QUIET_TF_LOG_LEVEL} unless you set a level.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands",
+                                       parser_class=_Parser)
+    for name, summary, description in _COMMANDS:
+        _add_options(name, subparsers.add_parser(
+            name, help=summary, description=description))
+    parser.command_parsers = subparsers.choices  # so an unknown option is reported by its command
+    return parser
+
+
+# --------------------------------------------------------------------------------------------
+# Running a command
+# --------------------------------------------------------------------------------------------
+
+
+def _prepare_environment() -> None:
+    """Set the allocator switch (and quiet TensorFlow's C++ start-up logs) before TensorFlow
+    is imported; if it already was, warn that peaks cannot be measured, and go on."""
+    if "tensorflow" in sys.modules and os.environ.get(measure.CPU_BFC_ENV) != "true":
+        warnings.warn(
+            f"TensorFlow was imported before {measure.CPU_BFC_ENV}=true was set, so the CPU "
+            "allocator keeps no statistics and peak memory cannot be measured (commands that "
+            "measure peaks will raise AllocatorStatsUnavailableError). Run the command in a "
+            f"fresh process, or set {measure.CPU_BFC_ENV}=true before importing TensorFlow.",
+            RuntimeWarning, stacklevel=3)
+    os.environ[measure.CPU_BFC_ENV] = "true"
+    os.environ.setdefault(TF_LOG_LEVEL_ENV, QUIET_TF_LOG_LEVEL)
+
+
+#: A line of TensorFlow's C++ logging: severity letter, date, time (before absl is initialised
+#: "00:00:<epoch seconds>"), thread, file:line.
+_TF_LOG_LINE = re.compile(r"^([IWEF])\d{4} [\d:.]+ +\d+ [^\s\]]+:\d+\] ")
+#: absl (C++) prints this before its first message when TensorFlow's libraries load.
+_ABSL_PRE_INIT_NOTICE = "WARNING: All log messages before absl::InitializeLog() is called"
+#: TF_CPP_MIN_LOG_LEVEL (0..3) -> the severities it hides (TensorFlow's meaning of the variable).
+_HIDDEN_SEVERITIES = ("", "I", "IW", "IWE")
+
+
+def _hidden_severities() -> frozenset[str]:
+    try:
+        level = int(os.environ.get(TF_LOG_LEVEL_ENV, "0"))
+    except ValueError:
+        level = 0
+    return frozenset(_HIDDEN_SEVERITIES[min(max(level, 0), 3)])
+
+
+def _severity(line: str) -> str:
+    """"I", "W", "E" or "F" for a line of TensorFlow's C++ logging, "" for any other line."""
+    if line.startswith(_ABSL_PRE_INIT_NOTICE):
+        return "W"
+    match = _TF_LOG_LINE.match(line)
+    return match.group(1) if match else ""
+
+
+@contextlib.contextmanager
+def _start_up_noise_filtered():
+    """Apply TF_CPP_MIN_LOG_LEVEL to what TensorFlow's libraries print while they load.
+
+    They log through absl before it is initialised, which ignores the level: under the
+    default of this command (2), every import printed "Could not find cuda drivers" INFO lines
+    twice on a machine without a GPU. Everything written to file descriptor 2 meanwhile is
+    held and written back afterwards, less the lines of the hidden severities (and absl's
+    notice about them): errors, Python warnings and tracebacks all pass.
+    """
+    hidden = _hidden_severities()
+    sys.stderr.flush()
+    try:
+        saved_fd = os.dup(2) if hidden else None
+    except OSError:  # no file descriptor 2 to redirect
+        saved_fd = None
+    if saved_fd is None:  # nothing to hide, or no way to: leave the output alone
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            held.seek(0)
+            for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                if _severity(line) not in hidden:
+                    sys.stderr.write(line)
+            sys.stderr.flush()
+
+
+def _import_tensorflow() -> None:
+    """Import TensorFlow here, once the environment is set, with its start-up noise filtered
+    (a later import by the commands then finds it loaded)."""
+    if "tensorflow" not in sys.modules:
+        with _start_up_noise_filtered():
+            import tensorflow  # pylint: disable=import-outside-toplevel,unused-import  # noqa: F401
+
+
+def _start_logging() -> None:
+    """Progress goes to stderr through absl logging at INFO, as under ``absl.app.run``."""
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    from absl import logging  # pylint: disable=import-outside-toplevel
+    if not flags.FLAGS.is_parsed():  # else absl prints "Logging before flag parsing"
+        flags.FLAGS.mark_as_parsed()
+    logging.use_absl_handler()
+    logging.set_verbosity(logging.INFO)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, return its exit status.
+
+    Usage errors exit with status 2 (``SystemExit``) before anything is imported or built.
+    """
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.error(f"expected a command, one of {', '.join(n for n, _, _ in _COMMANDS)}; "
+                     "got none")
+    if unknown:
+        parser.command_parsers[args.command].error(
+            f"unrecognized arguments: {' '.join(unknown)}")
+    _prepare_environment()
+    _import_tensorflow()
+    _start_logging()
+    from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
+    return commands.COMMANDS[args.command](args)
+
+
+def run() -> int:
+    """The ``memsave-grads`` console script and ``python -m memsave_grads``."""
+    return main()

@@ -1,0 +1,193 @@
+"""Every fact memsave_grads knows about TensorFlow op *types*, in one table.
+
+TensorFlow-free on purpose: an op type is a string (``op.type``, ``NodeDef.op``), so the memory
+model, the planners and the TF-facing code (``_tf/``) all read the same sets, and a new op type
+is taught to the package here and only here.
+
+The facts fall in four groups:
+
+- **cost**: which ops are expensive to recompute (:data:`EXPENSIVE_OP_TYPES`, split by the
+  formula ``_tf.graph.op_flops`` counts them with);
+- **buffers**: which outputs own no memory of their own (:data:`ALIAS_OP_TYPES`, the views),
+  and which kernels write into an input's buffer (:data:`FORWARDS_INPUT_BUFFER_OP_TYPES`);
+- **gradients**: which forward values an op's gradient reads (:func:`gradient_reads_input`,
+  :func:`gradient_reads_output`), which decides what must stay alive for the backward pass;
+- **graph structure**: function calls, TF1 control flow, while loops and variable reads, which
+  the rewrite treats specially.
+
+A type missing from a set gets the conservative answer: expensive no, view no, gradient reads
+its inputs yes. A missing type can cost memory, never correctness.
+"""
+
+from __future__ import annotations
+
+# --------------------------------------------------------------------------------------------
+# Cost
+# --------------------------------------------------------------------------------------------
+
+#: Dense matrix products: ``2 x output elements x the contracted dimension`` FLOPs.
+MATMUL_OP_TYPES = frozenset({"MatMul", "_FusedMatMul", "SparseMatMul"})
+#: Batched matrix products (the contracted dimension is the last of ``x``, or the one before
+#: it under ``adj_x``).
+BATCH_MATMUL_OP_TYPES = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+#: Convolutions whose kernel is ``[*spatial, in/groups, out]``: every output element costs one
+#: multiply-add per kernel element of its output channel.
+CONVOLUTION_OP_TYPES = frozenset({"Conv1D", "Conv2D", "Conv3D", "_FusedConv2D",
+                                  "FusedConv2DBiasActivation"})
+#: Depthwise convolutions (kernel ``[h, w, in, multiplier]``): one multiply-add per window pixel.
+DEPTHWISE_CONVOLUTION_OP_TYPES = frozenset({"DepthwiseConv2dNative"})
+#: Transposed convolutions (``Conv2DTranspose`` is the input gradient of a convolution): the
+#: cost follows the *gradient* input's elements, the kernel being ``[*spatial, out, in]``.
+TRANSPOSED_CONVOLUTION_OP_TYPES = frozenset({"Conv2DBackpropInput", "Conv3DBackpropInputV2"})
+#: Einsum: ``2 x output elements x the product of the contracted dimensions``.
+EINSUM_OP_TYPES = frozenset({"Einsum", "XlaEinsum"})
+
+#: Op types whose outputs are expensive to recompute: exactly those with a contraction formula
+#: above (dense linear algebra and convolutions). Everything else costs about one operation per
+#: element, so recomputing it is cheap next to these; the ``"speed"`` policy keeps these and
+#: recomputes the rest, and the planners break ties toward keeping them.
+EXPENSIVE_OP_TYPES = (MATMUL_OP_TYPES | BATCH_MATMUL_OP_TYPES | CONVOLUTION_OP_TYPES
+                      | DEPTHWISE_CONVOLUTION_OP_TYPES | TRANSPOSED_CONVOLUTION_OP_TYPES
+                      | EINSUM_OP_TYPES)
+
+
+def is_expensive_op_type(op_type: str) -> bool:
+    """True for matmul/convolution/einsum-like op types (:data:`EXPENSIVE_OP_TYPES`)."""
+    return op_type in EXPENSIVE_OP_TYPES
+
+
+# --------------------------------------------------------------------------------------------
+# Buffers
+# --------------------------------------------------------------------------------------------
+
+#: Op types whose output is an alias of memory that exists anyway (a variable's buffer, a
+#: constant, a fed value): it costs no bytes and no FLOPs in the memory model.
+ALIAS_OP_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "Placeholder", "Const"})
+
+#: Op types whose (single) output always shares its input's buffer: no new memory, and while
+#: the output is held, so is the input's buffer. Both users below start from this set.
+VIEW_OP_TYPES = frozenset({"Identity", "StopGradient", "PreventGradient", "Reshape",
+                           "ExpandDims", "Squeeze"})
+
+#: The memory model's views (``ForwardGraph.views``): :data:`VIEW_OP_TYPES` and ``Snapshot``,
+#: which takes over its input's buffer when nothing else holds it and copies otherwise; the
+#: model counts it as a view. ``IdentityN`` (tf.custom_gradient's wrapper) is not one here:
+#: the model's plans were measured without it, and counting it changes plans, a change to
+#: measure rather than make in passing.
+MEMORY_MODEL_VIEW_OP_TYPES = VIEW_OP_TYPES | {"Snapshot"}
+
+#: Views of a variable's value (``_tf.early_release.value_readers``): :data:`VIEW_OP_TYPES`
+#: and ``IdentityN``, whose every output aliases the input at its position (tf.custom_gradient
+#: and Keras wrap values in it). Not ``Snapshot``: the variable always holds its own value, so
+#: a snapshot of it is a copy, and its readers do not hold the variable's buffer.
+VALUE_VIEW_OP_TYPES = VIEW_OP_TYPES | {"IdentityN"}
+
+#: Elementwise op types whose kernel writes its output into an input's buffer when nothing
+#: else holds that input (``forward_input_or_allocate_output``): the op then allocates nothing.
+#: Their gradient kernels do the same with the incoming gradient.
+FORWARDS_INPUT_BUFFER_OP_TYPES = frozenset({
+    "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "Neg", "Square", "SquaredDifference",
+    "Maximum", "Minimum", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Exp",
+    "Log", "Sqrt", "Rsqrt", "Erf", "Erfc", "Softplus", "BiasAdd", "Softmax", "LogSoftmax",
+    "Abs", "Sign", "Reciprocal", "Inv",
+})
+
+
+def forwards_input_buffer(op_type: str) -> bool:
+    """Whether the kernel may take over an input's buffer
+    (:data:`FORWARDS_INPUT_BUFFER_OP_TYPES`)."""
+    return op_type in FORWARDS_INPUT_BUFFER_OP_TYPES
+
+
+# --------------------------------------------------------------------------------------------
+# Gradients: which forward values the backward pass reads
+# --------------------------------------------------------------------------------------------
+
+#: Op types whose gradient reads none of their (float) inputs, only shapes or the incoming
+#: gradient: an output consumed only by such ops need not stay alive for the backward pass.
+GRADIENT_IGNORES_INPUTS_OP_TYPES = frozenset({
+    "Add", "AddV2", "AddN", "Sub", "Neg", "Identity", "IdentityN", "StopGradient",
+    "PreventGradient", "Reshape", "Transpose", "ConcatV2", "Concat", "Pad", "PadV2", "MirrorPad",
+    "Mean", "Sum", "Cast", "StridedSlice", "Slice", "Split", "SplitV", "Unpack", "Pack",
+    "ExpandDims", "Squeeze", "BroadcastTo", "Tile", "BiasAdd", "AvgPool", "AvgPool3D",
+    "GatherV2", "ResourceGather", "Shape", "ZerosLike", "OnesLike",
+    # These read their own *output* (GRADIENT_READS_OUTPUT_OP_TYPES), not their input.
+    "Relu", "Relu6", "Tanh", "Sigmoid", "Softmax", "LogSoftmax", "Exp", "Sqrt", "Rsqrt", "Elu",
+    "Selu", "Reciprocal", "Inv",
+})
+
+#: Op types whose gradient reads their own output.
+GRADIENT_READS_OUTPUT_OP_TYPES = frozenset({
+    "Relu", "Relu6", "Tanh", "Sigmoid", "Softmax", "LogSoftmax", "Exp", "Sqrt", "Rsqrt", "Elu",
+    "Selu", "Reciprocal", "Inv", "MaxPool", "MaxPoolV2", "MaxPool3D",
+    # Returns the per-example gradient as a second output, which its gradient reads.
+    "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits",
+})
+
+#: Op types whose gradient w.r.t. one input reads only the *other* inputs (d(xy)/dx = y): an
+#: input is read only when another input needs a gradient. ``0.5 * x`` does not keep ``x``:
+#: the constant's gradient, the only one that reads ``x``, is pruned from the step.
+GRADIENT_READS_OTHER_INPUTS_OP_TYPES = frozenset({
+    "Mul", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv3D",
+    "DepthwiseConv2dNative", "Einsum",
+})
+
+#: Op types whose gradient reads the numerator only for the denominator's gradient
+#: (d(x/y)/dx = 1/y): ``x / 2.0`` does not keep ``x``.
+GRADIENT_READS_NUMERATOR_FOR_DENOMINATOR_OP_TYPES = frozenset({"RealDiv", "Div", "DivNoNan"})
+
+#: Op types whose output is its inputs' values, passed on or summed, when the values are
+#: gradients: ``tf.gradients`` wraps gradients in identities and adds partials with ``AddN``.
+#: Followed backward from a gradient they lead to the ops that really compute it (a weight
+#: gradient's MatMul), which ``_tf.early_release`` delays.
+GRADIENT_PASS_THROUGH_OP_TYPES = frozenset({"Identity", "IdentityN", "AddN", "StopGradient"})
+
+
+def gradient_reads_inputs(op_type: str) -> bool:
+    """Whether an op's gradient reads its inputs (unknown types: assume it does)."""
+    return op_type not in GRADIENT_IGNORES_INPUTS_OP_TYPES
+
+
+def gradient_reads_input(op_type: str, index: int, differentiable: list[bool]) -> bool:
+    """Whether an op's gradient reads its input ``index``, given which of its inputs need a
+    gradient (``differentiable[i]``: input ``i`` depends on ``xs``)."""
+    if not gradient_reads_inputs(op_type):
+        return False
+    others = any(d for i, d in enumerate(differentiable) if i != index)
+    if op_type in GRADIENT_READS_OTHER_INPUTS_OP_TYPES:
+        return others
+    if op_type in GRADIENT_READS_NUMERATOR_FOR_DENOMINATOR_OP_TYPES and index == 0:
+        return len(differentiable) > 1 and differentiable[1]
+    return True
+
+
+def gradient_reads_output(op_type: str) -> bool:
+    """Whether an op's gradient reads its own output (:data:`GRADIENT_READS_OUTPUT_OP_TYPES`)."""
+    return op_type in GRADIENT_READS_OUTPUT_OP_TYPES
+
+
+# --------------------------------------------------------------------------------------------
+# Graph structure
+# --------------------------------------------------------------------------------------------
+
+#: Ops that call a function by name in their ``f`` attribute (a ``tf.function`` called while
+#: another graph is traced; Keras' grouped convolutions call a ``jit_compile`` one). What they
+#: cost is what the function runs.
+FUNCTION_CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+
+#: Op types that belong to TF1 (v1) control flow: copying them needs their control-flow
+#: context, which the rewrite does not rebuild, so a region holding one is refused.
+V1_CONTROL_FLOW_OP_TYPES = frozenset({
+    "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit",
+    "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger",
+})
+
+#: while_v2 loops. Their gradient appends accumulator inputs to the forward op after it was
+#: made, so a copy must receive its control dependencies through its inputs (``_tf.rewrite``);
+#: their functions' input shapes are in the ``output_shapes`` attribute, not on the inputs.
+WHILE_OP_TYPES = frozenset({"While", "StatelessWhile"})
+
+#: Op types that read a resource variable's current value (the read aliases the variable's
+#: buffer): a variable's gradient is the sum of its reads' gradients, and a write must wait
+#: for the ops still holding a value read before it.
+VARIABLE_READ_OP_TYPES = frozenset({"ReadVariableOp"})

@@ -1,0 +1,110 @@
+"""Budget solvers: one contract, :class:`~problem.BudgetProblem` in, :class:`~memsave_grads.core.plan.Plan` out.
+
+Every solver minimises the recompute cost of a plan subject to its predicted peak fitting the
+budget, and every one scores plans with the same static models (``problem.score``: the memory
+replay and the per-node cost), so their answers are comparable (design note "budget solvers"):
+
+* :func:`solve_greedy` (``"greedy"``, the default), in phases, keeping the cheapest plan that
+  fits: (1) Chen et al.'s budget search generalised to frontier cuts: for a grid of segment
+  caps it places cuts as ``"memory"`` does, then drops trailing cuts (a larger top segment is
+  never recomputed) while the plan fits, and fills the cheapest plans and those with the most
+  budget left (keeps recomputed nodes that cost most per byte, a prefix of that order);
+  (2) fast DP seeds: :func:`_dp_cuts` on at most ``GREEDY_DP_POSITIONS`` positions with
+  bucketed labels, recomputing segments whole or keeping their costly nodes, each plan checked
+  by the replay and filled; (3) fills that skip nodes that do not fit. It stops scoring plans
+  after ``GREEDY_SECONDS`` (under a second on every benchmark graph).
+* :func:`solve_dp` (``"dp"``): an exact dynamic program over cut positions, for graphs that
+  are chains of segments (every frontier small). It finds the cheapest set of cuts under a
+  decomposed (segment by segment) peak, then checks the plan with the replay, tightening the
+  budget if the replay disagrees.
+* :func:`solve_milp` (``"milp"``): an exact mixed-integer program over *kept sets* (not only
+  cuts), for small general graphs, with HiGHS through ``scipy.optimize.milp``. Its memory rows
+  are a *valid relaxation* of the replay (for every kept set, each is at most the replayed
+  peak; see :func:`_milp_model`), so its optimum is a lower bound of the true optimum. Each
+  solution is replayed and, if rejected, excluded (a no-good cut); the plan is proven optimal
+  (``optimal=True``) once the best plan replayed costs no more than the MILP's bound. Used to
+  validate the heuristic.
+
+These three plan a single recomputation level (each segment replayed once from kept tensors),
+so for them the smallest feasible budget is the ``"memory"`` plan's peak; ``"revolve"``
+(``revolve``) plans nested levels, and :func:`solve` hands it any budget below that.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from absl import logging
+
+from memsave_grads import errors
+from memsave_grads.core import budgets
+from memsave_grads.core import memory_model
+from memsave_grads.core import plan as plan_lib
+from memsave_grads.core import planners
+from memsave_grads.core.solvers import problem as problem_lib
+from memsave_grads.core.solvers.dp import solve_dp
+from memsave_grads.core.solvers.greedy import solve_greedy
+from memsave_grads.core.solvers.milp import milp_lower_bound, solve_milp
+from memsave_grads.core.solvers.revolve import solve_revolve
+
+__all__ = ["SOLVERS", "solve", "tradeoff", "solve_greedy", "solve_dp", "solve_milp",
+           "solve_revolve", "milp_lower_bound"]
+
+SOLVERS: dict[str, Callable[[problem_lib.BudgetProblem], plan_lib.Plan]] = {
+    "greedy": solve_greedy,
+    "dp": solve_dp,
+    "milp": solve_milp,
+    "revolve": solve_revolve,  # nested levels (design note "multi-level")
+}
+
+
+def solve(problem: problem_lib.BudgetProblem, solver: str = budgets.DEFAULT_SOLVER) -> plan_lib.Plan:
+    """``SOLVERS[solver]``; a budget below every single-level plan goes to ``"revolve"``, whose
+    nested levels reach lower peaks (if it fails too, the error states the lower of the two
+    smallest peaks)."""
+    try:
+        plan = SOLVERS[solver](problem)
+    except errors.InfeasibleBudgetError as single_level:
+        if solver == "revolve":
+            raise
+        try:
+            plan = SOLVERS["revolve"](problem)
+        except errors.InfeasibleBudgetError as nested:
+            # State the lower of the two minimums: on wide graphs revolve's can be higher.
+            if nested.min_feasible_bytes <= single_level.min_feasible_bytes:
+                raise nested from single_level
+            raise single_level from None
+        logging.info("memsave_grads: the budget of %d bytes is below every single-level plan "
+                     "(%s: smallest %d); planned %d recomputation levels with 'revolve' "
+                     "(peak %d, cost %.3g)", problem.budget_bytes, solver,
+                     single_level.min_feasible_bytes,
+                     plan.levels,
+                     plan.predicted_peak_bytes, plan.recompute_cost)
+    logging.vlog(1, "memsave_grads: %s: budget %d bytes -> peak %d, cost %.3g, %.2f s",
+                 solver, problem.budget_bytes, plan.predicted_peak_bytes, plan.recompute_cost,
+                 plan.solve_seconds)
+    return plan
+
+
+def tradeoff(problem: problem_lib.BudgetProblem, points: int = 12,
+             solver: str = budgets.DEFAULT_SOLVER) -> list[plan_lib.Plan]:
+    """The Pareto front of predicted peak vs recompute cost: plans for ``points`` budgets from
+    the smallest feasible peak to plain ``tf.gradients``' peak, dominated plans dropped."""
+    low = planners.frontier_cuts(problem.graph, problem.must_keep, problem.candidates,
+                                 problem.not_replayed)
+    high = memory_model.plain_peak_bytes(problem.graph)
+    low_bytes = low.predicted_peak_bytes if low is not None else high
+    plans = []
+    for i in range(points):
+        budget = low_bytes + (high - low_bytes) * i / max(points - 1, 1)
+        try:
+            plans.append(solve(problem.with_budget(int(budget)), solver))
+        except errors.InfeasibleBudgetError:
+            continue
+    plans.sort(key=lambda p: (p.predicted_peak_bytes, p.recompute_cost))
+    front = []
+    for plan in plans:
+        if not front or plan.recompute_cost < front[-1].recompute_cost:
+            front.append(plan)
+    return front
+

@@ -1,0 +1,176 @@
+"""The default budget solver: frontier-cut searches, DP seeds and fills (``"greedy"``).
+
+See the package docstring for the phases."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from typing import Callable
+
+from absl import logging
+
+from memsave_grads.core import plan as plan_lib
+from memsave_grads.core import planners
+from memsave_grads.core.solvers import problem as problem_lib
+from memsave_grads.core.solvers import dp as dp_lib
+
+#: Segment caps the greedy solver tries (a geometric grid, as for ``"memory"``).
+GREEDY_CAP_POINTS = 24
+#: Plans (the cheapest that fit) the greedy solver tries to improve by keeping more nodes.
+GREEDY_FILL_PLANS = 3
+#: The fill does not try nodes whose cost is under this share of the plan's recompute cost.
+GREEDY_FILL_MIN_SHARE = 1e-3
+#: The greedy solver starts no new DP seed this many seconds after it started, and scores no
+#: new plan after GREEDY_SECONDS (once one fits: it then returns the best so far). On graphs
+#: of <= 200 ops it finishes well before either.
+GREEDY_DP_SECONDS = 0.45
+GREEDY_SECONDS = 0.7
+#: The greedy solver's DP seeds: at most this many cut positions (thinned evenly), one label
+#: per bucket of 1/GREEDY_DP_LABELS of the budget, at most GREEDY_DP_RETRIES replays per seed.
+GREEDY_DP_POSITIONS = 80
+GREEDY_DP_LABELS = 64
+GREEDY_DP_RETRIES = 6
+#: One seed recomputes whole segments; each other keeps the nodes of a segment whose cost per
+#: byte is at least this quantile (over the candidates), and recomputes the rest.
+GREEDY_DP_QUANTILES = (0.75, 0.9, 0.5)
+
+
+def _last_true(lo: int, hi: int, predicate: Callable[[int], bool]) -> int | None:
+    """The largest ``k`` in ``[lo, hi]`` with ``predicate(k)``, assuming it holds up to some
+    point and fails after (binary search); ``None`` if it fails at ``lo``."""
+    if not predicate(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if predicate(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _fill(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer, kept: frozenset,
+          deadline: float = math.inf, skip: bool = True) -> None:
+    """Spend the budget left by ``kept`` on keeping recomputed nodes, most cost per byte first.
+
+    Runs of nodes that fit are found by galloping then binary search (one replay per probe);
+    a node that does not fit is skipped, not the end: smaller or cheaper-to-hold ones after it
+    still get their turn (``skip=False``: the first such node ends the fill). Nodes whose cost
+    is negligible (under ``GREEDY_FILL_MIN_SHARE`` of the plan's recompute cost) are not
+    tried. Stops at ``deadline`` (``time.perf_counter()``).
+    """
+    graph = problem.graph
+    current, _, cost = scorer(kept)
+    floor = GREEDY_FILL_MIN_SHARE * cost
+    extra = sorted((v for v in problem_lib.recomputed_nodes(problem, current)
+                    if v in problem.candidates and graph.cost_of(v) > floor),
+                   key=lambda v: (-graph.cost_of(v) / max(graph.size_bytes[v], 1), v))
+    i = 0
+    while i < len(extra) and time.perf_counter() < deadline:
+        rest = len(extra) - i
+
+        def fits(k, base=current, start=i):
+            return scorer.fits(base | set(extra[start:start + k]))
+
+        good, bad, k = 0, None, 1
+        while True:  # gallop: 1, 2, 4, ... nodes while they fit
+            k = min(k, rest)
+            if fits(k):
+                good = k
+                if k == rest:
+                    break
+                k *= 2
+            else:
+                bad = k
+                break
+        if bad is not None and bad - good > 1:
+            good = _last_true(good, bad - 1, fits)
+        if good:
+            current = scorer(current | set(extra[i:i + good]))[0]
+        if not skip:
+            return
+        i += good + 1  # extra[i + good] did not fit: skip it
+
+
+def solve_greedy(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
+    """Budget search over frontier-cut plans, fast DP seeds, then fill (module docstring)."""
+    started = time.perf_counter()
+    scorer = problem_lib.Scorer(problem, deadline=started + GREEDY_SECONDS)
+    nothing = scorer(problem.must_keep)  # plain tf.gradients (kept: only what must be)
+    if nothing[1] <= problem.budget_bytes and nothing[2] == 0:
+        return scorer.plan("greedy", started, optimal=True)
+    try:
+        _greedy_search(problem, scorer, started)
+    except problem_lib.OutOfTime:
+        logging.vlog(1, "memsave_grads: greedy: out of time, best plan so far")
+    return scorer.plan("greedy", started)
+
+
+def _greedy_search(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer, started: float) -> None:
+    """The greedy solver's phases, best plans first; ``scorer`` keeps the best that fits and
+    ends the search at its deadline."""
+    search = planners.CutSearch(problem.graph, problem.must_keep, problem.candidates)
+    if search.feasible:
+        seen = set()
+        for cap in search.caps(GREEDY_CAP_POINTS):
+            cuts = search.cuts_for(cap)
+            if not cuts or cuts in seen:
+                continue
+            seen.add(cuts)
+            # Fewer trailing cuts: a larger top segment, less recomputed, more memory.
+            _last_true(0, len(cuts) - 1,
+                       lambda drop, cuts=cuts: scorer.fits(search.kept_for(cuts[:len(cuts) - drop])))
+    fitting = [r for r in scorer.cache.values() if r[1] <= problem.budget_bytes]
+    # Fill the cheapest plans and the ones with the most budget left (fewest bytes kept).
+    bases = sorted(fitting, key=lambda r: (r[2], r[1]))[:GREEDY_FILL_PLANS]
+    bases += sorted(fitting, key=lambda r: (r[1], r[2]))[:GREEDY_FILL_PLANS]
+    for kept in dict.fromkeys(r[0] for r in bases):
+        _fill(problem, scorer, kept, skip=False)
+    if search.feasible:
+        _dp_seeds(problem, scorer, search, started + GREEDY_DP_SECONDS)
+    # With the time left, fill the best plans again, now skipping nodes that do not fit.
+    fitting = [r for r in scorer.cache.values() if r[1] <= problem.budget_bytes]
+    for result in sorted(fitting, key=lambda r: (r[2], r[1]))[:GREEDY_FILL_PLANS]:
+        _fill(problem, scorer, result[0])
+
+
+def _dp_seeds(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer, search: planners.CutSearch,
+              deadline: float) -> None:
+    """Fast, inexact DP plans (few positions, rounded labels; see :func:`_dp_cuts`), each
+    checked by the replay (the DP budget tightened by the overshoot if it disagrees), then
+    filled. The ways a segment may be recomputed: whole, or keeping its nodes that cost at
+    least a quantile of cost per byte (``GREEDY_DP_QUANTILES``)."""
+    graph = problem.graph
+    allowed = [p for p in range(graph.num_nodes) if search.allowed[p]]
+    ratios = sorted(graph.cost_of(v) / max(graph.size_bytes[v], 1) for v in problem.candidates
+                    if v not in problem.must_keep and graph.cost_of(v) > 0)
+    if not ratios or not allowed:
+        return
+    quantum = max(problem.budget_bytes // GREEDY_DP_LABELS, 1)
+    # The DP's model is not the replay's, so other positions give other plans: a second round
+    # with half as many positions, if time is left.
+    for count, quantile in itertools.product(
+            (GREEDY_DP_POSITIONS, GREEDY_DP_POSITIONS // 2), (None,) + GREEDY_DP_QUANTILES):
+        step = max(len(allowed) / count, 1.0)
+        positions = sorted({allowed[int(i * step)] for i in range(min(count, len(allowed)))})
+        modes = (None,) if quantile is None else (
+            None, ratios[min(int(quantile * len(ratios)), len(ratios) - 1)])
+        budget_bytes, previous, factor = problem.budget_bytes, None, 1
+        for _ in range(GREEDY_DP_RETRIES):
+            if time.perf_counter() >= deadline:
+                return
+            found = dp_lib.dp_cuts(problem, search, positions, budget_bytes, modes, quantum, deadline)
+            if found is None:
+                break
+            kept, peak, _ = scorer(search.kept_for(found[0]) | found[1])
+            if peak <= problem.budget_bytes:
+                _fill(problem, scorer, kept, skip=False)
+                break
+            # The replay disagrees: ask for less (twice as much less each time the same plan
+            # comes back).
+            factor = factor * 2 if kept == previous else 1
+            previous = kept
+            budget_bytes -= factor * (peak - problem.budget_bytes)
+

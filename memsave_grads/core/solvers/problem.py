@@ -1,0 +1,151 @@
+"""The planning problem every budget solver receives, and how its plans are scored.
+
+One contract (design note "budget solvers"): a :class:`BudgetProblem` in (graph model, budget,
+what may or must be kept), a :class:`~memsave_grads.core.plan.Plan` out. Every solver scores
+plans with the same static models, so their answers are comparable:
+
+* **peak**: :func:`memory_model.plan_peak_bytes`, the replay of forward + backward in bytes;
+* **recompute cost**: the sum of :meth:`ForwardGraph.cost_of` over the nodes the rewrite
+  recomputes (FLOPs from static shapes by default; seconds when calibrated from a profile with
+  ``budgets.calibrated_costs``). Each node is recomputed at most once (design note "single
+  owner"), so the cost is a sum over nodes, not over segments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Iterable
+
+from memsave_grads import errors
+from memsave_grads.core import budgets
+from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import memory_model
+from memsave_grads.core import plan as plan_lib
+from memsave_grads.core import planners
+from memsave_grads.core import schedule as schedule_lib
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetProblem:
+    """What a solver receives: the graph model, the budget, and what may or must be kept.
+
+    Attributes:
+      graph: the forward region (its ``flops`` are the recompute costs).
+      budget_bytes: the predicted peak may not exceed this.
+      must_keep: nodes kept whatever the plan (stateful ops, intermediate ``xs``).
+      candidates: nodes a plan may keep (``must_keep`` included implicitly).
+      not_replayed: kept nodes whose segment is never copied (stateful ops).
+    """
+
+    graph: graph_lib.ForwardGraph
+    budget_bytes: int
+    must_keep: frozenset = frozenset()
+    candidates: frozenset | None = None
+    not_replayed: frozenset = frozenset()
+
+    def __post_init__(self):
+        if self.candidates is None:
+            object.__setattr__(self, "candidates", frozenset(range(self.graph.num_nodes)))
+        object.__setattr__(self, "must_keep", frozenset(self.must_keep))
+        object.__setattr__(self, "candidates", frozenset(self.candidates) | self.must_keep)
+        object.__setattr__(self, "not_replayed", frozenset(self.not_replayed))
+
+    def with_budget(self, budget_bytes: int) -> "BudgetProblem":
+        return dataclasses.replace(self, budget_bytes=int(budget_bytes))
+
+
+def recomputed_nodes(problem: BudgetProblem, kept: Iterable[int],
+                     segs: schedule_lib.Schedule | None = None) -> set[int]:
+    """Nodes the rewrite recomputes when ``kept`` are kept: every segment member but the kept."""
+    if segs is None:
+        segs = schedule_lib.build(problem.graph, kept, problem.not_replayed)
+    return segs.replayed()
+
+
+def score(problem: BudgetProblem, kept: Iterable[int]) -> tuple[frozenset, int, float]:
+    """Close ``kept`` (single ownership, ``must_keep`` added) and return it with its predicted
+    peak and recompute cost."""
+    closed = graph_lib.close_segments(problem.graph, set(kept) | problem.must_keep)
+    segs = schedule_lib.build(problem.graph, closed, problem.not_replayed)
+    cost = sum(problem.graph.cost_of(v) for v in recomputed_nodes(problem, closed, segs))
+    peak = memory_model.plan_peak_bytes(problem.graph, closed, problem.not_replayed, segs)
+    return frozenset(closed), peak, cost
+
+
+def infeasible(problem: BudgetProblem, smallest_peak_bytes: int,
+               solver: str) -> errors.InfeasibleBudgetError:
+    """The error for a budget no plan meets, stating the smallest predicted peak reached."""
+    plain_bytes = memory_model.plain_peak_bytes(problem.graph)
+    error = errors.InfeasibleBudgetError(
+        f"checkpoints: the budget of {budgets.format_bytes(problem.budget_bytes)} "
+        f"({problem.budget_bytes} bytes) is below the smallest peak the solver found: "
+        f"{budgets.format_bytes(smallest_peak_bytes)} "
+        f"({smallest_peak_bytes} bytes, {_share(smallest_peak_bytes, plain_bytes)} of plain "
+        f"tf.gradients' {budgets.format_bytes(plain_bytes)}; static memory model, solver {solver!r}). "
+        f"Raise the budget to at least that, or reduce the batch size.")
+    error.min_feasible_bytes = smallest_peak_bytes
+    error.budget_bytes = problem.budget_bytes
+    error.plain_peak_bytes = plain_bytes
+    return error
+
+
+def _share(nbytes: int, plain_bytes: int) -> str:
+    return f"{nbytes / plain_bytes:.1%}" if plain_bytes > 0 else "n/a"
+
+
+
+
+class OutOfTime(Exception):
+    """A scorer's deadline passed (and it has a plan that fits)."""
+
+
+class Scorer:
+    """Scores plans once each (a replay is the expensive step) and remembers the best fit.
+
+    With a ``deadline`` (``time.perf_counter()``), scoring a new plan after it raises
+    :class:`OutOfTime`, but only once some plan fits: the search stops, the best plan stands.
+    """
+
+    def __init__(self, problem: BudgetProblem, deadline: float = math.inf):
+        self.problem = problem
+        self.deadline = deadline
+        self.cache: dict[frozenset, tuple[frozenset, int, float]] = {}
+        self.smallest_peak = math.inf
+        self.best: tuple[frozenset, int, float] | None = None
+
+    def __call__(self, kept) -> tuple[frozenset, int, float]:
+        key = frozenset(kept)
+        if key not in self.cache:
+            if self.best is not None and time.perf_counter() > self.deadline:
+                raise OutOfTime()
+            result = score(self.problem, key)
+            self.cache[key] = result
+            closed, peak, cost = result
+            self.smallest_peak = min(self.smallest_peak, peak)
+            if peak <= self.problem.budget_bytes and (
+                    self.best is None or (cost, peak) < (self.best[2], self.best[1])):
+                self.best = result
+        return self.cache[key]
+
+    def fits(self, kept) -> bool:
+        return self(kept)[1] <= self.problem.budget_bytes
+
+    def plan(self, solver: str, started: float, optimal: bool = False) -> plan_lib.Plan:
+        if self.best is None:
+            # For the error: the smallest peak known, at least that of the "memory" plan.
+            problem = self.problem
+            lowest = planners.frontier_cuts(problem.graph, problem.must_keep, problem.candidates,
+                                            problem.not_replayed)
+            if lowest is not None:
+                self(lowest.kept)
+        if self.best is None:
+            raise infeasible(self.problem, int(self.smallest_peak), solver)
+        kept, peak, cost = self.best
+        return plan_lib.Plan(kept, self.problem.not_replayed, planner=solver,
+                             predicted_peak_bytes=peak, recompute_cost=cost, optimal=optimal,
+                             solve_seconds=time.perf_counter() - started,
+                             budget_bytes=self.problem.budget_bytes)

@@ -1,0 +1,26 @@
+"""TensorFlow forward graphs the tests share: stacks of tanh layers, with or without weights.
+
+Each builder adds ops to the current graph (or traces into the current ``tf.function``) and
+returns the last layer's output; the caller picks the inputs, the weights and the loss, which
+is what the tests differ in. Kept apart from ``strategies.py`` so that the core's tests, which
+import that, load no TensorFlow.
+"""
+
+import tensorflow as tf
+
+
+def tanh_layers(h, layers: int, *, scale: float | None = None, residual: bool = False):
+    """``layers`` elementwise layers without weights: ``tanh(h)``, ``tanh(scale * h)``, or with
+    ``residual`` ``h + tanh(h)``. Every activation has the input's shape, so the memory
+    measurements can count them in units of the input."""
+    for _ in range(layers):
+        layer = tf.tanh(h if scale is None else scale * h)
+        h = h + layer if residual else layer
+    return h
+
+
+def residual_tanh_mlp(h, weights):
+    """``h + tanh(h @ w)`` for each of ``weights`` (square matrices) in turn."""
+    for w in weights:
+        h = h + tf.tanh(tf.matmul(h, w))
+    return h
