@@ -22,12 +22,17 @@ _MIB = 1024 * 1024
 
 @dataclasses.dataclass(frozen=True)
 class LevelReport:
-    """One backward level: kept tensors whose gradients are complete, recomputed together."""
+    """One backward level: kept tensors whose gradients are complete, recomputed together.
+
+    ``depth``: 1 for a level replayed once from kept tensors; d > 1 where the level's segments
+    have checkpoints of their own (a nested plan), replayed again d - 1 levels further down.
+    """
 
     level: int
     kept_ops: int
     recomputed_ops: int
     recomputed_bytes: int
+    depth: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +114,11 @@ class PlanReport:
             f"{_mib(self.predicted_plain_peak_bytes)} ({self.predicted_saving:.2f}x less)"
             + (f"; budget {_mib(self.budget_bytes)}" if self.budget_bytes is not None else ""),
         ]
+        nested = [lv for lv in self.levels if lv.depth > 1]
+        if nested:
+            lines.append(
+                f"  nested: {len(nested)} of the levels replay their segments from checkpoints "
+                f"of their own, up to {max(lv.depth for lv in nested)} recomputation levels deep")
         if self.scratch_bytes and self.decided_plan_peak_bytes is not None:
             lines.append(
                 f"  with the gradient kernels' scratch (up to {_mib(self.scratch_bytes)} at one "
@@ -122,6 +132,14 @@ class PlanReport:
             lines.append("  (shapes with unknown dimensions: sizes count each unknown "
                          "dimension as 1, e.g. per example)")
         return "\n".join(lines)
+
+
+def _depth(model, sched, kept_nodes) -> int:
+    """Recomputation depth of a level (1 unless its segments have sub-plans)."""
+    nested = sched.nested(model, kept_nodes)
+    if nested is None:
+        return 1
+    return 1 + max((_depth(model, nested, lv.nodes) for lv in nested.levels), default=0)
 
 
 def _mib(nbytes: int) -> str:
@@ -152,7 +170,8 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
     decision = selection.decide_schedule(ctx, checkpoints, plan)
     sched = schedule_lib.of_plan(model, plan)
     levels = [LevelReport(level.number, len(level.nodes), len(nodes),
-                          sum(model.size_bytes[v] for v in nodes))
+                          sum(model.size_bytes[v] for v in nodes),
+                          _depth(model, sched, level.nodes))
               for level in sched.levels
               for nodes in [sched.recomputed(level.nodes)]]
     chosen = sorted(plan.chosen or ())

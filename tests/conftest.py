@@ -64,6 +64,9 @@ def spy(monkeypatch):
     from memsave_grads import api  # pylint: disable=import-outside-toplevel
     calls = []
     real = api.gradients
+    # The package's names load on first use: bind mg.gradients to the real function before the
+    # spy replaces the module attribute, as an eager import would have.
+    assert mg.gradients is real
 
     def recording(*args, **kwargs):
         calls.append(kwargs.get("checkpoints"))

@@ -83,3 +83,20 @@ def test_model_reads_inputs_per_edge():
     assert model.gradient_reads_output(node["relu6"])
     assert not model.gradient_reads_inputs(node["relu6"])
     assert model.forwards_buffer(node["half"]) and not model.forwards_buffer(node["h"])
+
+
+def test_explain_shows_nested_levels(graph):
+    """A budget below every single-level plan nests (solver "revolve"): the report says which
+    levels have checkpoints of their own, and how deep."""
+    x = tf.compat.v1.placeholder(tf.float32, [64, 256])
+    h = x
+    for i in range(60):
+        h = tf.tanh(h * (1.0 + 0.01 * i))
+    loss = tf.reduce_sum(h)
+    single = mg.explain(loss, [x], checkpoints="memory")
+    assert all(lv.depth == 1 for lv in single.levels) and "nested:" not in str(single)
+    budget = mg.Budget(bytes=int(0.6 * single.predicted_peak_bytes), solver="revolve")
+    report = mg.explain(loss, [x], checkpoints=budget)
+    assert max(lv.depth for lv in report.levels) >= 2, str(report)
+    assert "nested:" in str(report) and "recomputation levels deep" in str(report)
+    assert report.predicted_peak_bytes <= budget.bytes

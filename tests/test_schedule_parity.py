@@ -7,7 +7,6 @@ TensorFlow returned), and the rewrite maps nodes to ops and copies of copies: a 
 shows up here."""
 
 import pytest
-import tensorflow as tf
 
 from memsave_grads import api
 from memsave_grads._tf import rewrite

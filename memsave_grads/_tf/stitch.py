@@ -123,13 +123,8 @@ class _Backprop:
 
     def with_waiters(self, segment_ops: Iterable[tf.Operation]) -> list[tf.Operation]:
         """``segment_ops`` plus the waiting identities that feed them, in creation order."""
-        out, stack = set(segment_ops), list(segment_ops)
-        while stack:
-            for t in stack.pop().inputs:
-                if t.op in self.waiters and t.op not in out:
-                    out.add(t.op)
-                    stack.append(t.op)
-        return sorted(out, key=lambda op: op._id)  # pylint: disable=protected-access
+        waiting_inputs = lambda op: [t.op for t in op.inputs if t.op in self.waiters]  # noqa: E731
+        return sorted(tf_graph.walk(segment_ops, waiting_inputs), key=tf_graph.creation_index)
 
     def sources(self, segment_ops: Iterable[tf.Operation]) -> list[tf.Tensor]:
         """The tensors ``segment_ops`` read where a segment ends (kept tensors and xs)."""
