@@ -1,4 +1,5 @@
-"""``gradients()``: check arguments (``_validate``) -> select checkpoints -> rewrite -> stitch."""
+"""``gradients()``: check the arguments (``_validate``) -> make the plan (``_tf.selection``) ->
+the never-worse decision -> run the plan's schedule (``_tf.stitch``)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import dataclasses
 import tensorflow as tf
 from absl import logging
 
-from memsave_grads._tf import selection
-from memsave_grads._tf import stitch
-from memsave_grads._tf import graph as tf_graph
-from memsave_grads.core import budgets
 from memsave_grads import _validate
 from memsave_grads import errors
+from memsave_grads._tf import graph as tf_graph
+from memsave_grads._tf import selection
+from memsave_grads._tf import stitch
+from memsave_grads.core import budgets
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import schedule as schedule_lib
+
 
 @tf.autograph.experimental.do_not_convert
 def gradients(ys, xs, grad_ys=None, checkpoints="collection", **tf_gradients_kwargs):

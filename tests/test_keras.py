@@ -18,29 +18,9 @@ from memsave_grads.keras import train_step
 from memsave_grads.keras import unwrap_model
 from memsave_grads.keras import wrap_model
 
-tf_keras = pytest.importorskip("tf_keras")
-import keras as keras3  # noqa: E402  (Keras 3 is TensorFlow 2.21's tf.keras)
+from keras_support import FLAVOURS, KERAS, clear_session, fresh_keras, keras3, tf_keras  # noqa: F401,E402
 
-KERAS = {"keras2": tf_keras, "keras3": keras3}
-FLAVOURS = pytest.mark.parametrize("flavour", ["keras2", "keras3"])
 MIB = measure.MIB
-
-
-def _clear(keras):
-    if keras is keras3:
-        keras.backend.clear_session(free_memory=False)  # its gc.collect() costs 0.2 s a call
-    else:
-        keras.backend.clear_session()
-
-
-@pytest.fixture(autouse=True)
-def fresh_keras():
-    """Models in one process share Keras state (names, floatx): reset it for each test."""
-    for keras in KERAS.values():
-        _clear(keras)
-    yield
-    for keras in KERAS.values():
-        keras.backend.set_floatx("float32")
 
 
 @pytest.fixture
@@ -170,7 +150,7 @@ def test_wrapped_train_step_peaks_lower(flavour):
     """
     keras = KERAS[flavour]
     plain_mib, plain_loss = _peak_of_train_step(keras, wrapped=False)
-    _clear(keras)
+    clear_session(keras)
     ours_mib, loss = _peak_of_train_step(keras, wrapped=True)
     np.testing.assert_allclose(loss, plain_loss, rtol=1e-5)
     assert plain_mib >= 45, f"stock {flavour} step peaked at only {plain_mib:.1f} MiB"
@@ -227,17 +207,17 @@ def test_checkpoint_name_patterns_and_fallback(flavour, spy, caplog):
     model = wrap_model(_small_model(keras), checkpoints=["*block1*/Tanh"])
     _small_fit(model)
     assert spy and spy[0] > 0
-    _clear(keras)
+    clear_session(keras)
     # 'collection' finds nothing in a traced Keras step: "warn" falls back to tf.gradients...
     plain = _small_fit(_small_model(keras)).history["loss"]
-    _clear(keras)
+    clear_session(keras)
     model = wrap_model(_small_model(keras), checkpoints="collection")
     with caplog.at_level("WARNING"):
         fallen_back = _small_fit(model).history["loss"]
     assert "falling back to tf.gradients" in caplog.text
     np.testing.assert_allclose(fallen_back, plain, rtol=1e-6)
     # ... and "error" raises our error type, through Keras 2's AutoGraph-converted step too.
-    _clear(keras)
+    clear_session(keras)
     model = wrap_model(_small_model(keras), checkpoints="collection", fallback="error")
     with pytest.raises(memsave_grads.NoCheckpointsFoundError, match="collection"):
         _small_fit(model)

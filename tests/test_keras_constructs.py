@@ -20,29 +20,11 @@ from memsave_grads import measure
 from memsave_grads.keras import is_wrapped
 from memsave_grads.keras import wrap_model
 
-tf_keras = pytest.importorskip("tf_keras")
-import keras as keras3  # noqa: E402  (Keras 3 is TensorFlow 2.21's tf.keras)
+from keras_support import FLAVOURS, KERAS, clear_session, fresh_keras, keras3, tf_keras  # noqa: F401,E402
 
-KERAS = {"keras2": tf_keras, "keras3": keras3}
-FLAVOURS = pytest.mark.parametrize("flavour", ["keras2", "keras3"])
 MIB = measure.MIB
 RECOMPUTE_SCOPE = "_memsave/recompute"  # where the rewrite puts the copies it runs again
-CALL_OP_TYPES = ("PartitionedCall", "StatefulPartitionedCall")
-
-
-def _clear(keras):
-    if keras is keras3:
-        keras.backend.clear_session(free_memory=False)  # its gc.collect() costs 0.2 s a call
-    else:
-        keras.backend.clear_session()
-
-
-@pytest.fixture(autouse=True)
-def fresh_keras():
-    """Models in one process share Keras state (layer names, seeds): reset it for each test."""
-    for keras in KERAS.values():
-        _clear(keras)
-    yield
+from memsave_grads.core.op_types import FUNCTION_CALL_OP_TYPES as CALL_OP_TYPES  # noqa: E402
 
 
 @pytest.fixture
@@ -366,7 +348,7 @@ def _build_optimizer(model):
 
 
 def _fit(keras, wrapped):
-    _clear(keras)
+    clear_session(keras)
     model = _every_construct(keras)
     initial = model.get_weights()
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
@@ -407,7 +389,7 @@ def test_wrapped_fit_matches_stock_fit(flavour, spy, caplog):
 # ------------------------------------------------------------------------------------------
 
 def _convnext_step_peak_mib(keras, wrapped):
-    _clear(keras)
+    clear_session(keras)
     keras.utils.set_random_seed(0)
     # 8 x 32 x 32 x 32 float32: 1 MiB per block activation, 4 MiB per MLP hidden layer.
     model = _convnext(keras, size=32, width=32, blocks_per_stage=(4, 1))

@@ -122,7 +122,8 @@ class ForwardGraph:
         return out
 
 
-def close_segments(graph: ForwardGraph, kept: Iterable[int]) -> set[int]:
+def close_segments(graph: ForwardGraph, kept: Iterable[int], members: Iterable[int] | None = None,
+                   sinks: Iterable[int] | None = None) -> set[int]:
     """``kept`` plus every node whose outputs feed more than one segment, in linear time.
 
     A node's *owner* is the kept node (or the top segment, above the ``ys``) whose segment would
@@ -130,16 +131,27 @@ def close_segments(graph: ForwardGraph, kept: Iterable[int]) -> set[int]:
     stream whose adds are not kept, every segment would replay the stream back to the input and
     the rewrite would grow quadratically. Keeping such nodes makes every node's owner unique:
     each forward op is recomputed at most once (design note "single owner").
+
+    ``members``/``sinks``: the same inside one recomputed region whose outputs the backward pass
+    needs are ``sinks`` (design note "multi-level"): only readers among ``members`` count.
     """
     top = -1
     kept = set(kept)
     consumers = graph.consumers()
+    if members is None:
+        order, inside, sink_set = range(graph.num_nodes - 1, -1, -1), None, None
+    else:
+        inside, sink_set = set(members), set(sinks or ())
+        order = sorted(inside, reverse=True)
     owner: list[int | None] = [None] * graph.num_nodes
-    for v in reversed(range(graph.num_nodes)):
+    for v in order:
         if v in kept:
             continue
-        owners = {top} if graph.feeds_sink[v] else set()
+        is_sink = graph.feeds_sink[v] if sink_set is None else v in sink_set
+        owners = {top} if is_sink else set()
         for c in consumers[v]:
+            if inside is not None and c not in inside:
+                continue
             owners.add(c if c in kept else owner[c])
             if len(owners) > 1:
                 break

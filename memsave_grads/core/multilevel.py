@@ -12,41 +12,18 @@ what both the memory model replays and the rewrite runs; here are the plans them
 
 * :class:`CutTree` and :func:`plan_from_tree`: the cuts made at each level of a region, and the
   nested plan that keeps their live frontiers (``"revolve"``, ``solvers.revolve``, finds trees);
-* :func:`close_within`: single ownership inside a recomputed region;
 * :func:`balanced_plan`: a plan of exactly ``levels`` levels, for tests and experiments.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import planners
 from memsave_grads.core import schedule as schedule_lib
-
-
-def close_within(graph: graph_lib.ForwardGraph, members: Sequence[int], kept: Iterable[int],
-                 sinks: Iterable[int]) -> set[int]:
-    """``graph.close_segments`` inside a recomputed region: keep every member read by two
-    sub-segments (or by a sub-segment and the sub-top)."""
-    member_set, kept, sink_set = set(members), set(kept), set(sinks)
-    consumers = graph.consumers()
-    top = -1
-    owner: dict[int, int] = {}
-    for v in sorted(member_set, reverse=True):
-        if v in kept:
-            continue
-        owners = {top} if v in sink_set else set()
-        for c in consumers[v]:
-            if c in member_set:
-                owners.add(c if c in kept else owner[c])
-        if len(owners) > 1:
-            kept.add(v)
-        else:
-            owner[v] = owners.pop() if owners else top
-    return kept
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,7 +68,7 @@ def _children(graph, fronts, segs, kept, tree) -> dict:
             nodes = wanted & set(members) - {k}
             if not nodes:
                 continue
-            sub_kept = close_within(graph, members, nodes, [k])
+            sub_kept = graph_lib.close_segments(graph, nodes, members=members, sinks=[k])
             inner = schedule_lib.build(graph, sub_kept, members=members, sinks=[k])
             plan = plan_lib.Plan(sub_kept, children=_children(graph, fronts, inner, sub_kept, sub))
             if k in children:  # two subtrees in one segment (not on chains): merge
@@ -110,7 +87,7 @@ def balanced_plan(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     positions): each region's positions are cut into about n^(1/(levels+1)) equal parts,
     recursively. For tests and experiments; budgets use :func:`solve_revolve`."""
     search = planners.CutSearch(graph, must_keep, candidates)
-    positions = [p for p in range(graph.num_nodes) if search.allowed[p]]
+    positions = search.positions()
     parts = max(2, round((len(positions) + 1) ** (1.0 / (levels + 1))))
 
     def split(inside: list, depth: int) -> CutTree:

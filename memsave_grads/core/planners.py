@@ -114,6 +114,15 @@ class CutSearch:
         """Some position can be cut, and there are bytes to save."""
         return any(self.allowed) and self.total_bytes > 0 and self.largest_bytes > 0
 
+    def positions(self, at_most: int | None = None) -> list[int]:
+        """The positions a cut may be placed at, thinned evenly to ``at_most`` (the solvers' DPs
+        bound their work so)."""
+        allowed = [p for p in range(self.graph.num_nodes) if self.allowed[p]]
+        if at_most is None or len(allowed) <= at_most:
+            return allowed
+        step = len(allowed) / at_most
+        return sorted({allowed[int(i * step)] for i in range(at_most)})
+
     def caps(self, points: int) -> list[int]:
         """A geometric grid of segment caps from the largest node to the whole graph."""
         ratio = self.cap_ratio(points)

@@ -168,11 +168,8 @@ def solve_dp(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
     scorer = problem_lib.Scorer(problem)
     scorer(problem.must_keep)
     search = planners.CutSearch(problem.graph, problem.must_keep, problem.candidates)
-    positions = [p for p in range(problem.graph.num_nodes) if search.allowed[p]]
-    exact = len(positions) <= DP_MAX_POSITIONS
-    if not exact:
-        step = len(positions) / DP_MAX_POSITIONS
-        positions = sorted({positions[int(i * step)] for i in range(DP_MAX_POSITIONS)})
+    exact = len(search.positions()) <= DP_MAX_POSITIONS
+    positions = search.positions(DP_MAX_POSITIONS)
     budget_bytes = problem.budget_bytes
     proven = False
     for _ in range(DP_RETRIES):

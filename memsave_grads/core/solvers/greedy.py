@@ -143,18 +143,16 @@ def _dp_seeds(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer, se
     filled. The ways a segment may be recomputed: whole, or keeping its nodes that cost at
     least a quantile of cost per byte (``GREEDY_DP_QUANTILES``)."""
     graph = problem.graph
-    allowed = [p for p in range(graph.num_nodes) if search.allowed[p]]
     ratios = sorted(graph.cost_of(v) / max(graph.size_bytes[v], 1) for v in problem.candidates
                     if v not in problem.must_keep and graph.cost_of(v) > 0)
-    if not ratios or not allowed:
+    if not ratios or not search.positions():
         return
     quantum = max(problem.budget_bytes // GREEDY_DP_LABELS, 1)
     # The DP's model is not the replay's, so other positions give other plans: a second round
     # with half as many positions, if time is left.
     for count, quantile in itertools.product(
             (GREEDY_DP_POSITIONS, GREEDY_DP_POSITIONS // 2), (None,) + GREEDY_DP_QUANTILES):
-        step = max(len(allowed) / count, 1.0)
-        positions = sorted({allowed[int(i * step)] for i in range(min(count, len(allowed)))})
+        positions = search.positions(count)
         modes = (None,) if quantile is None else (
             None, ratios[min(int(quantile * len(ratios)), len(ratios) - 1)])
         budget_bytes, previous, factor = problem.budget_bytes, None, 1

@@ -184,11 +184,7 @@ def solve_revolve(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
     started = time.perf_counter()
     graph = problem.graph
     search = planners.CutSearch(graph, problem.must_keep, problem.candidates)
-    positions = [p for p in range(graph.num_nodes) if search.allowed[p]]
-    exact = len(positions) <= REVOLVE_MAX_POSITIONS
-    if not exact:
-        step = len(positions) / REVOLVE_MAX_POSITIONS
-        positions = sorted({positions[int(i * step)] for i in range(REVOLVE_MAX_POSITIONS)})
+    positions = search.positions(REVOLVE_MAX_POSITIONS)
     chain = _Chain(problem, search, positions)
     best, smallest = None, math.inf
 
