@@ -48,7 +48,8 @@ def __getattr__(name: str):
     if module is None:
         raise AttributeError(f"module 'memsave_grads' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
-    # Cache it, except where a submodule of the same name would shadow the function later.
+    # Cache it: the next access is a plain attribute lookup. (No public name is also a
+    # submodule's name, so a later submodule import cannot shadow it.)
     globals()[name] = value
     return value
 

@@ -55,6 +55,8 @@ class PlanReport:
       recompute_flops: floating-point operations of the recomputed ops (static shapes).
       forward_flops: the same for the whole forward region (run once by any method).
       budget_bytes: the budget the plan was solved for, when ``checkpoints`` is a budget.
+      planner / plan_reason: who made the plan (``core.plan.Plan.planner``) and why it chose
+        it, where the planner says.
       rewrite: whether ``gradients()`` runs this plan; False where it keeps plain
         ``tf.gradients``' schedule instead (design note "never worse").
       schedule_reason: why, in one sentence.
@@ -78,6 +80,8 @@ class PlanReport:
     forward_flops: float = 0.0
     budget_bytes: int | None = None
     rewrite: bool = True
+    planner: str = ""
+    plan_reason: str = ""
     schedule_reason: str = ""
     scratch_bytes: int = 0
     decided_plan_peak_bytes: int | None = None
@@ -114,6 +118,8 @@ class PlanReport:
             f"{_mib(self.predicted_plain_peak_bytes)} ({self.predicted_saving:.2f}x less)"
             + (f"; budget {_mib(self.budget_bytes)}" if self.budget_bytes is not None else ""),
         ]
+        if self.plan_reason:
+            lines.insert(1, f"  planner: {self.planner} ({self.plan_reason})")
         nested = [lv for lv in self.levels if lv.depth > 1]
         if nested:
             lines.append(
@@ -173,7 +179,7 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
                           sum(model.size_bytes[v] for v in nodes),
                           _depth(model, sched, level.nodes))
               for level in sched.levels
-              for nodes in [sched.recomputed(level.nodes)]]
+              for nodes in [sched.recomputed_by(level.nodes)]]
     chosen = sorted(plan.chosen or ())
     kept = plan.kept
     # The model's costs are FLOPs, whatever the planner's own cost measure; a node replayed at
@@ -194,6 +200,8 @@ def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
         forward_flops=sum(model.cost_of(v) for v in range(model.num_nodes)),
         budget_bytes=plan.budget_bytes,
         rewrite=decision.rewrite,
+        planner=plan.planner,
+        plan_reason=plan.reason,
         schedule_reason=decision.reason,
         scratch_bytes=decision.scratch_bytes,
         decided_plan_peak_bytes=decision.plan_peak_bytes,

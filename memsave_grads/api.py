@@ -94,16 +94,6 @@ class _Prepared:
     plan: plan_lib.Plan
 
     @property
-    def chosen(self) -> set:
-        """The ops the strategy chose."""
-        return {self.region[i] for i in self.plan.chosen or ()}
-
-    @property
-    def kept(self) -> set:
-        """Every op whose outputs are kept: the chosen ones, those kept anyway, the closure."""
-        return {self.region[i] for i in self.plan.kept}
-
-    @property
     def region(self) -> list:
         return self.selection.region
 

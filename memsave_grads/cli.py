@@ -12,7 +12,7 @@ Parsing happens before TensorFlow is imported, for two reasons:
   TensorFlow-free), and every argument is checked, ``--models`` against the model names
   included, before any model is built;
 * the allocator: peaks on CPU need ``TF_CPU_ALLOCATOR_USE_BFC=true`` in the environment before
-  TensorFlow is imported (docs/design.md, fact 5). :func:`main` sets it, with
+  TensorFlow is imported (the allocator reads it once, at start-up). :func:`main` sets it, with
   ``TF_CPP_MIN_LOG_LEVEL=2`` unless the user chose a level, and only then imports the commands.
 """
 

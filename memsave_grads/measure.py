@@ -1,8 +1,9 @@
 """Measure peak memory of one step with the allocator's own statistics.
 
 On CPU this needs the BFC allocator, which keeps statistics; it is enabled by the environment
-variable ``TF_CPU_ALLOCATOR_USE_BFC=true`` *before TensorFlow is imported* (docs/design.md,
-fact 5). :func:`enable_cpu_allocator_stats` sets it; :func:`peak_bytes_of` measures a call.
+variable ``TF_CPU_ALLOCATOR_USE_BFC=true`` *before TensorFlow is imported* (the allocator reads
+it once, when TensorFlow starts). :func:`enable_cpu_allocator_stats` sets it;
+:func:`peak_bytes_of` measures a call.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def matmul_tanh_problem(n: int, size_bytes: int = 1000, *,
         reads = {"grad_reads_inputs": tuple(i % 2 == 0 for i in range(n)),
                  "grad_reads_output": tuple(i % 2 == 1 for i in range(n))}
     graph = chain(n, size_bytes, expensive=tuple(i % 2 == 0 for i in range(n)),
-                  flops=tuple(10.0 if i % 2 == 0 else 1.0 for i in range(n)), **reads)
+                  costs=tuple(10.0 if i % 2 == 0 else 1.0 for i in range(n)), **reads)
     return problem_lib.BudgetProblem(graph, 0, candidates=frozenset(range(n - 1)))
 
 
@@ -122,7 +122,7 @@ def random_graph(rng: random.Random, n: int) -> graph_lib.ForwardGraph:
         grad_reads_output=tuple(rng.random() < 0.4 for _ in range(n)),
         views=tuple(rng.random() < 0.15 for _ in range(n)),
         param_bytes=tuple(rng.choice([0, 0, 0, 3, 10]) for _ in range(n)),
-        flops=tuple(float(rng.choice([1, 2, 5, 10, 50])) for _ in range(n)),
+        costs=tuple(float(rng.choice([1, 2, 5, 10, 50])) for _ in range(n)),
         unread_inputs=tuple(frozenset(p for p in preds if rng.random() < 0.3) for preds in inputs),
         forwards=tuple(rng.random() < 0.4 for _ in inputs))
 

@@ -65,6 +65,12 @@ def test_budget_validation(kwargs, words):
         assert word in str(info.value)
 
 
+def test_a_budget_names_exactly_the_registered_solvers():
+    """Budget validates solver names without importing the solvers (no import cycle): the two
+    lists must agree."""
+    assert budgets.SOLVER_NAMES == tuple(solvers.SOLVERS)
+
+
 def test_calibrated_costs_use_measured_seconds_and_scale_the_rest():
     costs = budgets.calibrated_costs(["a", "b", "c"], [100.0, 200.0, 50.0], {"a": 1e-3, "b": 4e-3})
     assert costs[0] == pytest.approx(1e-3) and costs[1] == pytest.approx(4e-3)

@@ -4,7 +4,8 @@ replay are exactly the ops the rewrite copies, level by level, in the same order
 included. Both read the levels from ``core.schedule``, but each decides for itself which kept
 nodes a gradient reached (the model from its bytes ledger, the rewrite from the gradients
 TensorFlow returned), and the rewrite maps nodes to ops and copies of copies: a drift in either
-shows up here."""
+shows up here. The segments themselves come from one walk; that the copies it makes really
+recompute (read copies and boundaries, not the forward pass) is checked on the TF graph."""
 
 import pytest
 
@@ -22,11 +23,19 @@ def _rewrite_trace(prepared, plan, monkeypatch) -> list[list[int]]:
     calls = []
     original = rewrite.copy_ops
 
+    region = set(prepared.region)
+
     def spy(ops, *args, **kwargs):
         copies = original(ops, *args, **kwargs)
+        copied = set(ops)
         for op, copy in copies.items():
             if op in node_of:  # a copy (at any depth) stands for its original's node
                 node_of[copy] = node_of[op]
+            # The copies really recompute: they read boundaries, copies and tensors from
+            # outside the region, never a forward op of the region or what this call copies.
+            for t in copy.inputs:
+                assert t.op not in region and t.op not in copied, \
+                    f"copy {copy.name} reads {t.name}, which should have been copied or kept"
         nodes = sorted(node_of[op] for op in ops if op in node_of)
         if nodes:
             calls.append(nodes)

@@ -129,7 +129,7 @@ def _layered_problem(depth=30, width=3, seed=0):
     graph = graph_lib.ForwardGraph(
         inputs=tuple(inputs), size_bytes=tuple(sizes), reads_source=(True,) + (False,) * (n - 1),
         feeds_sink=(False,) * (n - 1) + (True,), grad_reads_inputs=tuple(reads_in),
-        grad_reads_output=tuple(reads_out), flops=tuple(flops))
+        grad_reads_output=tuple(reads_out), costs=tuple(flops))
     return problem_lib.BudgetProblem(graph, 0, candidates=frozenset(range(n - 1)))
 
 

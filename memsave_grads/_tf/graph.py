@@ -463,7 +463,7 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
         grad_reads_output=tuple(op_types.gradient_reads_output(op.type) for op in region),
         param_bytes=tuple(params),
         views=tuple(op.type in op_types.MEMORY_MODEL_VIEW_OP_TYPES for op in region),
-        flops=tuple(op_flops(op) for op in region),
+        costs=tuple(op_flops(op) for op in region),
         unread_inputs=tuple(frozenset(u) if reads else frozenset()
                             for u, reads in zip(unread, reads_inputs)),
         forwards=tuple(op_types.forwards_input_buffer(op.type) for op in region),

@@ -38,10 +38,11 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
     and colocation attributes, which name ops of the source graph, are dropped.
 
     A copy reads the copies of its inputs where those were copied, ``replacements[t.ref()]``
-    where given (the boundaries), and the original tensors otherwise. It keeps the original's attributes (colocation ``_class`` included), device and
-    control inputs. Copies that read no other copy get ``control_inputs`` as extra control
-    dependencies: without them TensorFlow schedules the recomputation during the forward pass
-    and nothing is saved (docs/design.md, note "scheduling").
+    where given (the boundaries), and the original tensors otherwise. It keeps the original's
+    attributes (colocation ``_class`` included), device and control inputs. Copies that read
+    no other copy get ``control_inputs`` as extra control dependencies: without them
+    TensorFlow schedules the recomputation during the forward pass and nothing is saved
+    (docs/design.md, note "scheduling").
     """
     if not ops:
         return {}

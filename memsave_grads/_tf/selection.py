@@ -1,8 +1,11 @@
-"""Turn a ``checkpoints=`` argument into the set of forward ops whose outputs are kept.
+"""Turn a ``checkpoints=`` argument into a plan (``core.plan.Plan``), and decide whether to run it.
 
 Strategies are looked up in :data:`STRATEGIES`; each takes a :class:`SelectionContext` and
-returns ops. Validation happens here, before anything is added to the graph, so a bad argument
-never leaves a half-rewritten graph behind.
+returns ops, or (the planners) a whole plan; :func:`make_plan` closes either into the plan the
+rewrite runs. The argument's form was checked by ``_validate`` already; what needs the graph
+(a tensor of another graph, a pattern that matches nothing) is checked here, still before any
+op is added, so a bad argument never leaves a half-rewritten graph behind. Then the never-worse
+rule (:func:`decide_schedule`) compares the plan's predicted peak with plain tf.gradients'.
 """
 
 from __future__ import annotations
@@ -157,8 +160,8 @@ def select_budget(ctx: SelectionContext, budget: budgets.Budget) -> plan_lib.Pla
             "'budget:50%'.")
     model = ctx.model
     if budget.op_seconds:
-        model = dataclasses.replace(model, flops=budgets.calibrated_costs(
-            model.names, model.flops, budget.op_seconds))
+        model = dataclasses.replace(model, costs=budgets.calibrated_costs(
+            model.names, model.costs, budget.op_seconds))
     candidates, must_keep, not_replayed = ctx.node_sets()
     problem = problem_lib.BudgetProblem(
         graph=model, budget_bytes=budget.resolve_bytes(memory_model.plain_peak_bytes(model)),
@@ -257,8 +260,7 @@ def keep_ops(ctx: SelectionContext, ops: Iterable[tf.Operation], planner: str) -
     _, must_keep, not_replayed = ctx.node_sets()
     chosen = {index[op] for op in ops if op in index}
     kept = graph_lib.close_segments(ctx.model, chosen | set(must_keep))
-    return plan_lib.Plan(kept, not_replayed, chosen=frozenset(chosen - set(must_keep)),
-                         planner=planner)
+    return plan_lib.Plan(kept, not_replayed, chosen=frozenset(chosen), planner=planner)
 
 
 def _planner_name(checkpoints) -> str:
@@ -326,7 +328,8 @@ def decide_schedule(ctx: SelectionContext, checkpoints, plan: plan_lib.Plan) -> 
     if not NEVER_WORSE_RULE:
         return ScheduleDecision(True, "the never-worse rule is switched off")
     explicit = isinstance(checkpoints, (list, tuple, tf.Tensor))
-    if not explicit and not plan.chosen:
+    _, must_keep, _ = ctx.node_sets()
+    if not explicit and not (plan.chosen or frozenset()) - set(must_keep):
         return _logged(checkpoints, ScheduleDecision(
             False, "the strategy keeps nothing beyond the tensors kept anyway (variable reads, "
             "stateful ops, xs), so its plan is plain tf.gradients"))

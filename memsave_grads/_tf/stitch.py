@@ -205,7 +205,7 @@ def _top(state: _Backprop, ys, grad_ys, top: list[tf.Operation]) -> None:
 
 
 def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.Schedule,
-           label, kept_nodes: Sequence[int]) -> None:
+           label: int | str, kept_nodes: Sequence[int]) -> None:
     """One level: copy the segments of its active kept ops and differentiate them in one call
     (or, where they have sub-plans, run the level's own schedule over the copies)."""
     active = []
@@ -216,7 +216,7 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
             active.append((k, ds))
     if not active:
         return
-    recomputed = sched.recomputed(k for k, _ in active)
+    recomputed = sched.recomputed_by(k for k, _ in active)
     to_copy = state.with_waiters(state.ops[v] for v in recomputed)
     scope = f"{state.options.scope_prefix}/recompute_level{label}"
     # Copies read fresh identity boundaries, not the kept tensors themselves: tf.gradients

@@ -30,6 +30,7 @@ import tensorflow as tf
 from absl import logging
 
 from memsave_grads import api
+from memsave_grads._tf import graph as tf_graph
 from memsave_grads import errors
 from memsave_grads import _explain as explain_lib
 from memsave_grads import measure
@@ -113,15 +114,7 @@ class Result:
 
 def _reachable_ops(fetch: tf.Operation) -> int:
     """How many ops a run of ``fetch`` needs (data and control inputs, before grappler)."""
-    seen = {fetch}
-    stack = [fetch]
-    while stack:
-        op = stack.pop()
-        for parent in [t.op for t in op.inputs] + list(op.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                stack.append(parent)
-    return len(seen)
+    return sum(1 for _ in tf_graph.walk([fetch], tf_graph.dependency_ops))
 
 
 def _dense(grad):
@@ -378,7 +371,8 @@ def benchmark_table(results_per_model: Sequence[Sequence[Result]]) -> str:
 TABLE_NOTES = (
     "peak MiB: allocator peak during one training step (gradients + SGD update) above the memory "
     "in use before it (variables and inputs). predicted MiB: the static memory model's peak "
-    "(memsave_grads.explain) and its error relative to the measured peak. peak ratio / vs tf.gradients: tf.gradients' peak "
+    "(memsave_grads.explain) and its error relative to the measured peak. peak ratio / vs "
+    "tf.gradients: tf.gradients' peak "
     "over this one. time ratio: median step time over tf.gradients'. max rel grad err: "
     "max over variables of max|g - g_tf| / max|g_tf|, one run, same inputs. graph ops: ops a "
     "training step needs (forward, gradients, update) before grappler. build (ratio): seconds to "
@@ -479,7 +473,8 @@ def plot_tradeoff(curves, path: str) -> None:
         axes[0].plot([p.predicted_peak_bytes / measure.MIB for p in front],
                      [100 * p.recompute_cost / total for p in front], "o-", label=name)
         reference = measured[0]
-        points = [(r.peak_bytes / measure.MIB, 100 * (r.median_seconds / reference.median_seconds - 1),
+        points = [(r.peak_bytes / measure.MIB,
+                   100 * (r.median_seconds / reference.median_seconds - 1),
                    r.method.label) for r in measured if r.peak_bytes and r.median_seconds]
         axes[1].plot([p[0] for p in points], [p[1] for p in points], "s--", label=name)
         for x, y, label in points:

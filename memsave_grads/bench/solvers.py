@@ -25,7 +25,7 @@ from memsave_grads.core.solvers import problem as problem_lib
 
 #: Budgets as fractions of tf.gradients' predicted peak.
 FRACTIONS = (0.75, 0.6, 0.5, 0.4, 0.35)
-SOLVER_NAMES = ("greedy", "dp", "milp")
+COMPARED_SOLVERS = ("greedy", "dp", "milp")
 
 
 def _weight(shape, seed):
@@ -128,7 +128,7 @@ class Row:
 
 
 def compare(names: Sequence[str] | None = None, fractions: Sequence[float] = FRACTIONS,
-            solver_names: Sequence[str] = SOLVER_NAMES) -> list[Row]:
+            solver_names: Sequence[str] = COMPARED_SOLVERS) -> list[Row]:
     rows = []
     for name in names or SMALL_GRAPHS:
         graph = tf.Graph()
@@ -142,7 +142,8 @@ def compare(names: Sequence[str] | None = None, fractions: Sequence[float] = FRA
                 try:
                     row.plans[solver] = solvers.solve(problem.with_budget(budget), solver)
                 except errors.InfeasibleBudgetError as e:
-                    row.plans[solver] = f"infeasible (min {budgets.format_bytes(e.min_feasible_bytes)})"
+                    smallest = budgets.format_bytes(e.min_feasible_bytes)
+                    row.plans[solver] = f"infeasible (min {smallest})"
             rows.append(row)
     return rows
 
@@ -152,7 +153,7 @@ def best_cost(row: Row) -> float | None:
     return min(costs) if costs else None
 
 
-def comparison_table(rows: Sequence[Row], solver_names: Sequence[str] = SOLVER_NAMES) -> str:
+def comparison_table(rows: Sequence[Row], solver_names: Sequence[str] = COMPARED_SOLVERS) -> str:
     header = ["graph", "ops", "budget"] + [f"{s} cost (x best)" for s in solver_names] + \
         [f"{s} s" for s in solver_names]
     lines = ["| " + " | ".join(header) + " |",

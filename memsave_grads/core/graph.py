@@ -32,8 +32,8 @@ class ForwardGraph:
         memory of its own unless it is kept; empty means no node is a view.
       param_bytes: bytes of the variables (``xs``) the node reads: its backward step produces
         gradients of that size; empty means 0.
-      flops: the cost of recomputing the node (floating-point operations from static shapes,
-        or calibrated seconds; see ``costs``); empty means every node costs 1.
+      costs: the cost of recomputing the node (floating-point operations from static shapes,
+        or seconds calibrated by ``budgets.calibrated_costs``); empty means every node costs 1.
       unread_inputs: for each node, input nodes its gradient does *not* read although
         ``grad_reads_inputs`` says it reads its inputs (``0.5 * x`` keeps no ``x``: only the
         constant's gradient would read it); empty means none.
@@ -54,7 +54,7 @@ class ForwardGraph:
     grad_reads_output: tuple[bool, ...] = ()
     param_bytes: tuple[int, ...] = ()
     views: tuple[bool, ...] = ()
-    flops: tuple[float, ...] = ()
+    costs: tuple[float, ...] = ()
     unread_inputs: tuple[frozenset, ...] = ()
     forwards: tuple[bool, ...] = ()
     no_gradient: tuple[bool, ...] = ()
@@ -64,13 +64,14 @@ class ForwardGraph:
         if not (len(self.size_bytes) == len(self.reads_source) == len(self.feeds_sink) == n):
             raise ValueError("ForwardGraph fields must all have one entry per node")
         for name in ("names", "expensive", "grad_reads_inputs", "grad_reads_output",
-                     "param_bytes", "views", "flops", "unread_inputs", "forwards", "no_gradient"):
+                     "param_bytes", "views", "costs", "unread_inputs", "forwards", "no_gradient"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise ValueError(f"ForwardGraph.{name} must be empty or have one entry per node")
         for node, preds in enumerate(self.inputs):
             for p in preds:
                 if not 0 <= p < node:
-                    raise ValueError(f"node {node} reads node {p}: nodes must be in topological order")
+                    raise ValueError(f"node {node} reads node {p}: nodes must be in topological "
+                                     "order")
 
     @property
     def num_nodes(self) -> int:
@@ -104,10 +105,7 @@ class ForwardGraph:
 
     def cost_of(self, node: int) -> float:
         """Cost of recomputing ``node`` (1 per node when no costs are known)."""
-        return self.flops[node] if self.flops else 1.0
-
-    def name_of(self, node: int) -> str:
-        return self.names[node] if self.names else f"node{node}"
+        return self.costs[node] if self.costs else 1.0
 
     def consumers(self) -> list[list[int]]:
         """For each node, the distinct nodes that read it (computed once; do not mutate)."""

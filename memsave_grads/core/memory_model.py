@@ -111,14 +111,12 @@ def plain_peak_bytes(graph: graph_lib.ForwardGraph,
 
 
 def plan_peak_bytes(graph: graph_lib.ForwardGraph, kept: Iterable[int],
-                    not_replayed: Iterable[int] = (), sched: schedule_lib.Schedule | None = None,
+                    not_replayed: Iterable[int] = (),
                     workspace_bytes: Sequence[int] | None = None) -> int:
     """Predicted peak of forward + backward when ``kept`` are the only outputs kept (a
-    single-level plan; ``sched``: its schedule, if already at hand; ``workspace_bytes`` as in
-    :func:`plain_peak_bytes`)."""
-    if sched is None:
-        sched = schedule_lib.build(graph, kept, not_replayed)
-    return replay(graph, sched, workspace_bytes)[0]
+    single-level plan; ``workspace_bytes`` as in :func:`plain_peak_bytes`). With its schedule
+    at hand, call :func:`replay`."""
+    return replay(graph, schedule_lib.build(graph, kept, not_replayed), workspace_bytes)[0]
 
 
 def plan_peak_and_cost(graph: graph_lib.ForwardGraph, plan: plan_lib.Plan,
@@ -170,7 +168,7 @@ class _Replayer:
             for k in group:
                 ledger.free(graph.size_bytes[k])  # kept: a view's buffer counts too
             active = [k for k in group if k in grads]
-            recomputed = sched.recomputed(active)
+            recomputed = sched.recomputed_by(active)
             self.cost += sum(graph.cost_of(v) for v in recomputed if v not in kept)
             if self.trace is not None and recomputed:
                 self.trace.append(recomputed)

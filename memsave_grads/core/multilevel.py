@@ -79,13 +79,12 @@ def _children(graph, fronts, segs, kept, tree) -> dict:
     return children
 
 
-
 def balanced_plan(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
                   candidates: Iterable[int], levels: int,
                   not_replayed: Iterable[int] = ()) -> plan_lib.Plan:
     """A nested plan of exactly ``levels`` recomputation levels (where the graph has enough cut
     positions): each region's positions are cut into about n^(1/(levels+1)) equal parts,
-    recursively. For tests and experiments; budgets use :func:`solve_revolve`."""
+    recursively. For tests and experiments; budgets use ``solvers.revolve.solve_revolve``."""
     search = planners.CutSearch(graph, must_keep, candidates)
     positions = search.positions()
     parts = max(2, round((len(positions) + 1) ** (1.0 / (levels + 1))))

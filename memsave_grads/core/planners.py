@@ -152,7 +152,8 @@ class CutSearch:
 
 
 def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
-                  candidates: Iterable[int], not_replayed: Iterable[int] = ()) -> plan_lib.Plan | None:
+                  candidates: Iterable[int],
+                  not_replayed: Iterable[int] = ()) -> plan_lib.Plan | None:
     """The ``"memory"`` planner: cut the graph where its live frontier is small.
 
     Any topological position cuts the graph if every tensor alive across it (its *live
@@ -197,13 +198,14 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
         sched = schedule_lib.build(graph, kept, not_replayed)
         # Expensive ops weigh more: among plans of equal peak, recompute the cheap ones.
         cost = sum(EXPENSIVE_RECOMPUTE_WEIGHT if graph.is_expensive(v) else 1
-                   for v in sched.replayed())
+                   for v in sched.recomputed_nodes())
         plans.append(plan_lib.Plan(
             kept, not_replayed, planner="memory", cuts=cuts, segment_cap_bytes=cap_bytes,
-            predicted_peak_bytes=memory_model.plan_peak_bytes(graph, kept, not_replayed, sched),
+            predicted_peak_bytes=memory_model.replay(graph, sched)[0],
             recompute_cost=cost,
-            reason=f"frontier cuts at {len(cuts)} positions, at most {cap_bytes} bytes "
-                   "recomputed between cuts"))
+            reason=f"cut at {len(cuts)} positions where the live frontier is small, at most "
+                   f"{cap_bytes / 2**20:.3g} MiB recomputed between cuts; the lowest predicted "
+                   "peak, and the least recomputation among plans within 2% of it"))
     best_peak = min(p.predicted_peak_bytes for p in plans)
     if best_peak >= plain_peak:
         # Returned all the same: explain() reports it, and gradients() keeps tf.gradients'

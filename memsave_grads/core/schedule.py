@@ -34,8 +34,10 @@ class Level:
 
     Attributes:
       number: 1 for kept nodes read by the top segment only, and so on down.
-      kept: the kept nodes of the level, in topological order, deferred ones excluded.
-      deferred: the level's deferred nodes (see the module docstring).
+      kept: the kept nodes whose gradients the level's own ``tf.gradients`` call takes, in
+        topological order: every kept node of the level but the deferred ones.
+      deferred: the level's deferred nodes (see the module docstring), whose gradients the
+        rewrite takes in its final call.
     """
 
     number: int
@@ -57,7 +59,6 @@ class Schedule:
       top: nodes of the top segment (not recomputed), in topological order.
       owned: for each kept node, the nodes its segment recomputes (itself included), in
         topological order; empty for never-replayed kept nodes.
-      level: for each kept node, its level.
       levels: the levels, lowest first.
       children: sub-plans of kept nodes (multi-level plans).
     """
@@ -65,7 +66,6 @@ class Schedule:
     members: tuple
     top: tuple
     owned: Mapping[int, tuple]
-    level: Mapping[int, int]
     levels: tuple
     children: Mapping[int, plan_lib.Plan] = dataclasses.field(default_factory=dict)
 
@@ -78,12 +78,14 @@ class Schedule:
         """Deferred nodes of every level, in topological order."""
         return sorted(v for lv in self.levels for v in lv.deferred)
 
-    def recomputed(self, active: Iterable[int]) -> list[int]:
-        """The nodes a level recomputes when ``active`` kept nodes received a gradient."""
+    def recomputed_by(self, active: Iterable[int]) -> list[int]:
+        """The nodes a level recomputes when its ``active`` kept nodes received a gradient
+        (their segments, kept nodes included: the copies produce the level's targets)."""
         return sorted({v for k in active for v in self.owned[k]})
 
-    def replayed(self) -> set[int]:
-        """Every node the rewrite recomputes: segment members that are not kept themselves."""
+    def recomputed_nodes(self) -> set[int]:
+        """Every node recomputed when every kept node receives a gradient: segment members
+        that are not kept themselves (what a plan's recompute cost sums over)."""
         return {v for members in self.owned.values() for v in members if v not in self.owned}
 
     def nested(self, graph: graph_lib.ForwardGraph, active: Iterable[int]) -> "Schedule | None":
@@ -93,7 +95,7 @@ class Schedule:
         active = sorted(active)
         if not any(k in self.children for k in active):
             return None
-        recomputed = self.recomputed(active)
+        recomputed = self.recomputed_by(active)
         allowed = set(recomputed) - set(active)
         sub_kept: set = set()
         sub_children: dict = {}
@@ -153,5 +155,5 @@ def build(graph: graph_lib.ForwardGraph, kept: Iterable[int], not_replayed: Iter
         by_level[level[k]][1 if deferred else 0].append(k)
     levels = tuple(Level(number, tuple(by_level[number][0]), tuple(by_level[number][1]))
                    for number in sorted(by_level))
-    return Schedule(members=tuple(member_list), top=top, owned=owned, level=level,
-                    levels=levels, children=dict(children or {}))
+    return Schedule(members=tuple(member_list), top=top, owned=owned, levels=levels,
+                    children=dict(children or {}))

@@ -1,4 +1,4 @@
-"""Budget solvers: one contract, :class:`~problem.BudgetProblem` in, :class:`~memsave_grads.core.plan.Plan` out.
+"""Budget solvers: one contract, a ``problem.BudgetProblem`` in, a ``core.plan.Plan`` out.
 
 Every solver minimises the recompute cost of a plan subject to its predicted peak fitting the
 budget, and every one scores plans with the same static models (``problem.score``: the memory
@@ -9,7 +9,7 @@ replay and the per-node cost), so their answers are comparable (design note "bud
   caps it places cuts as ``"memory"`` does, then drops trailing cuts (a larger top segment is
   never recomputed) while the plan fits, and fills the cheapest plans and those with the most
   budget left (keeps recomputed nodes that cost most per byte, a prefix of that order);
-  (2) fast DP seeds: :func:`_dp_cuts` on at most ``GREEDY_DP_POSITIONS`` positions with
+  (2) fast DP seeds: :func:`dp.dp_cuts` on at most ``GREEDY_DP_POSITIONS`` positions with
   bucketed labels, recomputing segments whole or keeping their costly nodes, each plan checked
   by the replay and filled; (3) fills that skip nodes that do not fit. It stops scoring plans
   after ``GREEDY_SECONDS`` (under a second on every benchmark graph).
@@ -58,7 +58,8 @@ SOLVERS: dict[str, Callable[[problem_lib.BudgetProblem], plan_lib.Plan]] = {
 }
 
 
-def solve(problem: problem_lib.BudgetProblem, solver: str = budgets.DEFAULT_SOLVER) -> plan_lib.Plan:
+def solve(problem: problem_lib.BudgetProblem,
+          solver: str = budgets.DEFAULT_SOLVER) -> plan_lib.Plan:
     """``SOLVERS[solver]``; a budget below every single-level plan goes to ``"revolve"``, whose
     nested levels reach lower peaks (if it fails too, the error states the lower of the two
     smallest peaks)."""

@@ -43,8 +43,8 @@ def dp_cuts(problem: problem_lib.BudgetProblem, search: planners.CutSearch, posi
     nodes that cost at least r per byte are kept too (they are held like frontiers from then
     on, are not recomputed, and are counted at full size in the segment's local peak). Returns
     the cuts and the nodes kept inside segments. ``quantum``: at most one label per position
-    and bucket of this many kept bytes, the cheapest (fewer labels: fast, no longer exact). Gives up (None) at
-    ``deadline``.
+    and bucket of this many kept bytes, the cheapest (fewer labels: fast, no longer exact).
+    Gives up (None) at ``deadline``.
     """
     graph = problem.graph
     n = graph.num_nodes
@@ -163,7 +163,7 @@ def dp_cuts(problem: problem_lib.BudgetProblem, search: planners.CutSearch, posi
 
 
 def solve_dp(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
-    """Exact cuts under the decomposed peak, checked by the replay (see :func:`_dp_cuts`)."""
+    """Exact cuts under the decomposed peak, checked by the replay (see :func:`dp_cuts`)."""
     started = time.perf_counter()
     scorer = problem_lib.Scorer(problem)
     scorer(problem.must_keep)

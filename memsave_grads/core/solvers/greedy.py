@@ -13,6 +13,7 @@ from absl import logging
 
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import planners
+from memsave_grads.core import schedule as schedule_lib
 from memsave_grads.core.solvers import problem as problem_lib
 from memsave_grads.core.solvers import dp as dp_lib
 
@@ -64,7 +65,8 @@ def _fill(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer, kept: 
     graph = problem.graph
     current, _, cost = scorer(kept)
     floor = GREEDY_FILL_MIN_SHARE * cost
-    extra = sorted((v for v in problem_lib.recomputed_nodes(problem, current)
+    recomputed = schedule_lib.build(graph, current, problem.not_replayed).recomputed_nodes()
+    extra = sorted((v for v in recomputed
                     if v in problem.candidates and graph.cost_of(v) > floor),
                    key=lambda v: (-graph.cost_of(v) / max(graph.size_bytes[v], 1), v))
     i = 0
@@ -108,7 +110,8 @@ def solve_greedy(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
     return scorer.plan("greedy", started)
 
 
-def _greedy_search(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer, started: float) -> None:
+def _greedy_search(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer,
+                   started: float) -> None:
     """The greedy solver's phases, best plans first; ``scorer`` keeps the best that fits and
     ends the search at its deadline."""
     search = planners.CutSearch(problem.graph, problem.must_keep, problem.candidates)
@@ -121,7 +124,8 @@ def _greedy_search(problem: problem_lib.BudgetProblem, scorer: problem_lib.Score
             seen.add(cuts)
             # Fewer trailing cuts: a larger top segment, less recomputed, more memory.
             _last_true(0, len(cuts) - 1,
-                       lambda drop, cuts=cuts: scorer.fits(search.kept_for(cuts[:len(cuts) - drop])))
+                       lambda drop, cuts=cuts: scorer.fits(
+                           search.kept_for(cuts[:len(cuts) - drop])))
     fitting = [r for r in scorer.cache.values() if r[1] <= problem.budget_bytes]
     # Fill the cheapest plans and the ones with the most budget left (fewest bytes kept).
     bases = sorted(fitting, key=lambda r: (r[2], r[1]))[:GREEDY_FILL_PLANS]
@@ -136,9 +140,9 @@ def _greedy_search(problem: problem_lib.BudgetProblem, scorer: problem_lib.Score
         _fill(problem, scorer, result[0])
 
 
-def _dp_seeds(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer, search: planners.CutSearch,
-              deadline: float) -> None:
-    """Fast, inexact DP plans (few positions, rounded labels; see :func:`_dp_cuts`), each
+def _dp_seeds(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer,
+              search: planners.CutSearch, deadline: float) -> None:
+    """Fast, inexact DP plans (few positions, rounded labels; see :func:`dp.dp_cuts`), each
     checked by the replay (the DP budget tightened by the overshoot if it disagrees), then
     filled. The ways a segment may be recomputed: whole, or keeping its nodes that cost at
     least a quantile of cost per byte (``GREEDY_DP_QUANTILES``)."""
@@ -159,7 +163,8 @@ def _dp_seeds(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer, se
         for _ in range(GREEDY_DP_RETRIES):
             if time.perf_counter() >= deadline:
                 return
-            found = dp_lib.dp_cuts(problem, search, positions, budget_bytes, modes, quantum, deadline)
+            found = dp_lib.dp_cuts(problem, search, positions, budget_bytes, modes, quantum,
+                                   deadline)
             if found is None:
                 break
             kept, peak, _ = scorer(search.kept_for(found[0]) | found[1])

@@ -27,14 +27,12 @@ from memsave_grads.core import planners
 from memsave_grads.core import schedule as schedule_lib
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class BudgetProblem:
     """What a solver receives: the graph model, the budget, and what may or must be kept.
 
     Attributes:
-      graph: the forward region (its ``flops`` are the recompute costs).
+      graph: the forward region (its ``costs`` are the recompute costs).
       budget_bytes: the predicted peak may not exceed this.
       must_keep: nodes kept whatever the plan (stateful ops, intermediate ``xs``).
       candidates: nodes a plan may keep (``must_keep`` included implicitly).
@@ -58,21 +56,13 @@ class BudgetProblem:
         return dataclasses.replace(self, budget_bytes=int(budget_bytes))
 
 
-def recomputed_nodes(problem: BudgetProblem, kept: Iterable[int],
-                     segs: schedule_lib.Schedule | None = None) -> set[int]:
-    """Nodes the rewrite recomputes when ``kept`` are kept: every segment member but the kept."""
-    if segs is None:
-        segs = schedule_lib.build(problem.graph, kept, problem.not_replayed)
-    return segs.replayed()
-
-
 def score(problem: BudgetProblem, kept: Iterable[int]) -> tuple[frozenset, int, float]:
     """Close ``kept`` (single ownership, ``must_keep`` added) and return it with its predicted
     peak and recompute cost."""
     closed = graph_lib.close_segments(problem.graph, set(kept) | problem.must_keep)
-    segs = schedule_lib.build(problem.graph, closed, problem.not_replayed)
-    cost = sum(problem.graph.cost_of(v) for v in recomputed_nodes(problem, closed, segs))
-    peak = memory_model.plan_peak_bytes(problem.graph, closed, problem.not_replayed, segs)
+    sched = schedule_lib.build(problem.graph, closed, problem.not_replayed)
+    cost = sum(problem.graph.cost_of(v) for v in sched.recomputed_nodes())
+    peak = memory_model.replay(problem.graph, sched)[0]
     return frozenset(closed), peak, cost
 
 
@@ -85,7 +75,8 @@ def infeasible(problem: BudgetProblem, smallest_peak_bytes: int,
         f"({problem.budget_bytes} bytes) is below the smallest peak the solver found: "
         f"{budgets.format_bytes(smallest_peak_bytes)} "
         f"({smallest_peak_bytes} bytes, {_share(smallest_peak_bytes, plain_bytes)} of plain "
-        f"tf.gradients' {budgets.format_bytes(plain_bytes)}; static memory model, solver {solver!r}). "
+        f"tf.gradients' {budgets.format_bytes(plain_bytes)}; static memory model, "
+        f"solver {solver!r}). "
         f"Raise the budget to at least that, or reduce the batch size.")
     error.min_feasible_bytes = smallest_peak_bytes
     error.budget_bytes = problem.budget_bytes
@@ -95,8 +86,6 @@ def infeasible(problem: BudgetProblem, smallest_peak_bytes: int,
 
 def _share(nbytes: int, plain_bytes: int) -> str:
     return f"{nbytes / plain_bytes:.1%}" if plain_bytes > 0 else "n/a"
-
-
 
 
 class OutOfTime(Exception):
@@ -145,7 +134,9 @@ class Scorer:
         if self.best is None:
             raise infeasible(self.problem, int(self.smallest_peak), solver)
         kept, peak, cost = self.best
-        return plan_lib.Plan(kept, self.problem.not_replayed, planner=solver,
+        reason = (f"the plan that recomputes least among those it scored whose predicted peak "
+                  f"fits the budget{' (proven optimal in its search space)' if optimal else ''}")
+        return plan_lib.Plan(kept, self.problem.not_replayed, planner=solver, reason=reason,
                              predicted_peak_bytes=peak, recompute_cost=cost, optimal=optimal,
                              solve_seconds=time.perf_counter() - started,
                              budget_bytes=self.problem.budget_bytes)

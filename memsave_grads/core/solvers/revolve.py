@@ -62,14 +62,15 @@ class _Chain:
                 new = [v for v in front_nodes[j] if v > a]
                 self.cost[i, j] = cost_sum[b + 1] - cost_sum[a + 1] - sum(cost[v] for v in new)
                 # p_j's frontier is freed when its level starts and replayed as a copy, so
-                # its retained bytes count here (unlike in solvers._dp_cuts).
+                # its retained bytes count here (unlike in dp.dp_cuts).
                 self.base[i, j] = ret_sum[b + 1] - ret_sum[a + 1] + self.front[j] + transient
 
 
 _BASE = -1
 
 
-def _revolve_dp(chain: _Chain, budget_bytes: int, quanta: int = REVOLVE_QUANTA) -> multilevel.CutTree | None:
+def _revolve_dp(chain: _Chain, budget_bytes: int,
+                quanta: int = REVOLVE_QUANTA) -> multilevel.CutTree | None:
     """Cheapest cut tree under the decomposed peak, or None.
 
     ``Bk[i, j, q]``: least recompute cost to backprop ``(p_i, p_j]`` after one forward sweep
@@ -170,7 +171,8 @@ def _min_peak_tree(chain: _Chain) -> multilevel.CutTree:
 
 
 def _to_positions(tree: multilevel.CutTree, pos: Sequence[int]) -> multilevel.CutTree:
-    return multilevel.CutTree([pos[c] for c in tree.cuts], [_to_positions(s, pos) for s in tree.segments])
+    return multilevel.CutTree([pos[c] for c in tree.cuts],
+                              [_to_positions(s, pos) for s in tree.segments])
 
 
 def solve_revolve(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
@@ -212,7 +214,10 @@ def solve_revolve(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
     if best is None:
         raise problem_lib.infeasible(problem, int(smallest), "revolve")
     cost, peak, plan = best
+    reason = (f"nested levels ({plan.levels} deep): the cheapest cut tree the revolve DP found "
+              "whose replayed peak fits the budget")
     return plan.replace(predicted_peak_bytes=peak, recompute_cost=cost, planner="revolve",
+                        reason=reason,
                         optimal=False, solve_seconds=time.perf_counter() - started,
                         budget_bytes=problem.budget_bytes)
 
