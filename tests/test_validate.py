@@ -66,3 +66,21 @@ def test_without_tensors_a_list_must_hold_patterns():
     with pytest.raises(mg.InvalidTypeError, match="or a list of name patterns, got"):
         _validate.check_checkpoints(tf.constant(1.0), tensors_unavailable=reason)
     _validate.check_checkpoints(["block*/add:0"], tensors_unavailable=reason)
+
+
+@pytest.mark.parametrize("checkpoints, error", [
+    ("fastest", mg.UnknownStrategyError), ([], mg.InvalidArgumentError),
+    (3, mg.InvalidTypeError), (["bad pattern"], mg.InvalidArgumentError)])
+def test_bad_checkpoints_are_refused_even_where_ys_do_not_depend_on_xs(graph, checkpoints,
+                                                                        error):
+    """tf.gradients would return [None] here; a bad argument is still a bad argument, refused
+    before any op is added (before the redesign it slipped through when the region was
+    empty)."""
+    x = tf.compat.v1.placeholder(tf.float32, [2])
+    unrelated = tf.compat.v1.placeholder(tf.float32, [2])
+    y = tf.reduce_sum(tf.tanh(x))
+    before = len(graph.get_operations())
+    with pytest.raises(error):
+        mg.gradients(y, [unrelated], checkpoints=checkpoints)
+    assert len(graph.get_operations()) == before
+    assert mg.gradients(y, [unrelated], checkpoints="memory") == [None]
