@@ -13,6 +13,7 @@ of the kept ops whose gradients are complete are copied and differentiated in on
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from typing import Iterable, Mapping, Sequence
 
@@ -140,7 +141,12 @@ class _Backprop:
         """The complete gradient of ``t`` (call only once every partial has arrived)."""
         key = t.ref()
         if key not in self.totals:
-            self.totals[key] = aggregate(self.partials.get(key, ()), t)
+            # tf.gradients sums an op's output gradients inside _maybe_colocate_with(op): with
+            # colocate_gradients_with_ops the final add_n of the per-device sums sits with the
+            # forward op, not on the default device (docs/design.md, note "colocation").
+            colocate = self.options.tf_kwargs.get("colocate_gradients_with_ops")
+            with (tf_graph.colocated_with(t.op) if colocate else contextlib.nullcontext()):
+                self.totals[key] = aggregate(self.partials.get(key, ()), t)
         return self.totals[key]
 
     def run(self, targets, target_grads, sources, readers=None) -> None:
