@@ -42,11 +42,18 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
+#: Modules behind public names that run without TensorFlow installed.
+_TENSORFLOW_FREE = ("memsave_grads.errors", "memsave_grads.core.budgets")
+
 
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'memsave_grads' has no attribute {name!r}")
+    if module not in _TENSORFLOW_FREE:
+        # Checks the installed TensorFlow (memsave_grads/_tf/compat.py) before the module's own
+        # `import tensorflow` could fail without saying which versions we need.
+        importlib.import_module("memsave_grads._tf")
     value = getattr(importlib.import_module(module), name)
     # Cache it: the next access is a plain attribute lookup. (No public name is also a
     # submodule's name, so a later submodule import cannot shadow it.)

@@ -158,7 +158,8 @@ def _names(names, limit: int = 6) -> str:
 
 
 @tf.autograph.experimental.do_not_convert
-def explain(ys, xs, checkpoints="memory", **tf_gradients_kwargs) -> PlanReport:
+def explain(ys: api.Targets, xs: api.Sources, checkpoints: api.Checkpoints = "memory",
+            **tf_gradients_kwargs) -> PlanReport:
     """What ``gradients(ys, xs, checkpoints=checkpoints)`` would keep, recompute, and peak at.
 
     Takes the arguments of :func:`memsave_grads.gradients` (``grad_ys`` does not change the

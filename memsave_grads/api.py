@@ -4,6 +4,8 @@ the never-worse decision -> run the plan's schedule (``_tf.stitch``)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 import tensorflow as tf
 from absl import logging
@@ -17,9 +19,21 @@ from memsave_grads.core import budgets
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import schedule as schedule_lib
 
+# Types of the public signatures (with py.typed, what type checkers and IDEs show).
+#: ``ys``: a tensor or a list of tensors.
+Targets = tf.Tensor | Sequence[tf.Tensor]
+#: ``xs``: a tensor or resource variable, or a list of them.
+Sources = tf.Tensor | tf.Variable | Sequence[tf.Tensor | tf.Variable]
+#: ``checkpoints=``: a strategy name or ``"budget:..."`` string, a Budget, tensors or name
+#: patterns, or None (plain tf.gradients, where a function accepts it).
+Checkpoints = str | budgets.Budget | Sequence[tf.Tensor | str] | None
+#: What tf.gradients returns: one gradient per x, None where y does not depend on it.
+Gradients = list[tf.Tensor | tf.IndexedSlices | None]
+
 
 @tf.autograph.experimental.do_not_convert
-def gradients(ys, xs, grad_ys=None, checkpoints="collection", **tf_gradients_kwargs):
+def gradients(ys: Targets, xs: Sources, grad_ys: Targets | None = None,
+              checkpoints: Checkpoints = "collection", **tf_gradients_kwargs: Any) -> Gradients:
     """``tf.gradients(ys, xs, grad_ys)`` that recomputes forward activations to save memory.
 
     Keeps only the *checkpoint* tensors of the forward pass alive for the backward pass and

@@ -13,6 +13,7 @@ imported when a model of its kind is wrapped (docs/keras.md).
 from __future__ import annotations
 
 import weakref
+from typing import TypeVar
 
 import tensorflow as tf
 from absl import logging
@@ -23,6 +24,10 @@ from memsave_grads import errors
 
 KERAS2 = "Keras 2 (tf_keras)"
 KERAS3 = "Keras 3"
+
+
+#: A Keras 2 or Keras 3 model: wrap_model and unwrap_model return the model they are given.
+_Model = TypeVar("_Model")
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,12 +303,13 @@ def _turn_off_jit_compile(model) -> None:
         model.jit_compile = False
 
 
-def is_wrapped(model) -> bool:
+def is_wrapped(model: object) -> bool:
     """Whether :func:`wrap_model` has wrapped this model object."""
     return isinstance(getattr(model, "__dict__", {}).get("train_step"), _WrappedTrainStep)
 
 
-def wrap_model(model, checkpoints="memory", fallback: str = "warn"):
+def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
+               fallback: str = "warn") -> _Model:
     """Make ``model.fit`` (and ``train_on_batch``) compute gradients with memsave_grads.
 
     Patches **this model object in place** and returns it: its ``train_step`` becomes
@@ -346,7 +352,7 @@ def wrap_model(model, checkpoints="memory", fallback: str = "warn"):
     return model
 
 
-def unwrap_model(model):
+def unwrap_model(model: _Model) -> _Model:
     """Undo :func:`wrap_model`: the model trains with its class's ``train_step`` again.
 
     ``jit_compile`` stays off. Returns ``model``.

@@ -6,6 +6,9 @@ in docs/design.md, measurements in docs/minimize.md).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import tensorflow as tf
 from absl import logging
 
@@ -105,8 +108,9 @@ def _check_var_list(var_list, graph: tf.Graph) -> list:
 
 
 @tf.autograph.experimental.do_not_convert
-def minimize(loss, optimizer, var_list=None, checkpoints="memory", global_step=None,
-             name=None):
+def minimize(loss: tf.Tensor, optimizer: Any, var_list: Sequence[tf.Variable] | None = None,
+             checkpoints: api.Checkpoints = "memory", global_step: tf.Variable | None = None,
+             name: str | None = None) -> Any:
     """``optimizer.minimize(loss, var_list=var_list)`` with each update applied early.
 
     Computes the gradients with :func:`memsave_grads.gradients` (``checkpoints=None``: plain

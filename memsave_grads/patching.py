@@ -110,7 +110,7 @@ class _Patch:
         return False
 
 
-def patch(checkpoints="memory", fallback: str = "warn") -> _Patch:
+def patch(checkpoints: api.Checkpoints = "memory", fallback: str = "warn") -> _Patch:
     """Make ``tf.gradients`` and its aliases compute gradients with memsave_grads.
 
     Routes ``tf.gradients``, ``tf.compat.v1.gradients``, v1 ``Optimizer.minimize`` /
