@@ -61,10 +61,28 @@ def gradients(ys: Targets, xs: Sources, grad_ys: Targets | None = None,
       ``NoCheckpointsFoundError`` when the strategy finds nothing to keep.
     """
     prepared = _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
-    if not selection.decide_schedule(prepared.selection, checkpoints,
-                                     prepared.plan).rewrite:  # design note "never worse"
+    decision = selection.decide_schedule(prepared.selection, checkpoints, prepared.plan)
+    if not decision.rewrite:  # design note "never worse"
+        _warn_plain_once(checkpoints, prepared, decision.reason)
         return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
     return run_plan(prepared, prepared.plan)
+
+
+#: (checkpoints, forward ops) of the calls already warned about: a model traced again, or
+#: patched tf.gradients called once per trace, says so once.
+_WARNED_PLAIN: set = set()
+
+
+def _warn_plain_once(checkpoints, prepared: "_Prepared", reason: str) -> None:
+    """Tell the user, once per kind of call, that the strategy saves nothing here."""
+    key = (repr(checkpoints)[:200], len(prepared.region))
+    if key in _WARNED_PLAIN:
+        return
+    _WARNED_PLAIN.add(key)
+    logging.warning(
+        "memsave_grads: checkpoints=%.80r saves no memory on this graph of %d forward ops (%s); "
+        "plain tf.gradients computes its gradients, at tf.gradients' own peak. "
+        "memsave_grads.explain(...) shows the plan.", checkpoints, len(prepared.region), reason)
 
 
 def run_plan(prepared: "_Prepared", plan: plan_lib.Plan) -> list:

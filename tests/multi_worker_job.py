@@ -28,6 +28,7 @@ import tensorflow as tf  # noqa: E402
 import memsave_grads as mg  # noqa: E402
 from memsave_grads import api  # noqa: E402
 from memsave_grads import measure  # noqa: E402
+from tf_builders import residual_tanh_mlp  # noqa: E402  (this script runs from tests/)
 from memsave_grads._tf import selection  # noqa: E402
 
 NUM_WORKERS = 2
@@ -50,9 +51,7 @@ def worker_batches(task, steps, batch_per_worker, width, seed):
 def make_train_step(strategy, ws, optimizer, method, global_batch):
     """A tf.function training step of a residual MLP on raw variables, per replica."""
     def forward(x, y):
-        h = x
-        for w in ws:
-            h = h + tf.tanh(tf.matmul(h, w))
+        h = residual_tanh_mlp(x, ws)
         per_example = tf.reduce_mean(tf.square(h - y), axis=1)
         return tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
 

@@ -6,6 +6,7 @@ test_patch.py does) and reports back as JSON.
 """
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,7 @@ MIRRORED = textwrap.dedent(r"""
     import memsave_grads as mg
     from memsave_grads import errors
     from memsave_grads.optimize import minimize
+    from tf_builders import residual_tanh_mlp   # tests/ is on PYTHONPATH (see mirrored())
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     WIDTH, DEPTH, GLOBAL_BATCH, STEPS = 32, 8, 16, 4
@@ -38,9 +40,7 @@ MIRRORED = textwrap.dedent(r"""
             opt = tf.compat.v1.train.AdamOptimizer(0.01)
 
         def forward(x, y):
-            h = x
-            for w in ws:
-                h = h + tf.tanh(tf.matmul(h, w))
+            h = residual_tanh_mlp(x, ws)
             per_example = tf.reduce_mean(tf.square(h - y), axis=1)
             return tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
 
@@ -114,8 +114,11 @@ MIRRORED = textwrap.dedent(r"""
 
 @pytest.fixture(scope="module")
 def mirrored():
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-c", MIRRORED], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(lines[0][len("RESULT "):])

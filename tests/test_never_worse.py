@@ -346,3 +346,18 @@ def test_a_larger_batch_is_still_recomputed():
     assert report.rewrite and _has_copies(graph), str(report)
     (theirs_mib, ours_mib), _ = _median_peaks_mib(graph, [theirs, ours])
     assert ours_mib <= 0.7 * theirs_mib, (ours_mib, theirs_mib)
+
+
+def test_a_strategy_that_cannot_help_says_so_once(caplog):
+    """Plain tf.gradients' schedule, and one warning: the same kind of call again (a model
+    traced twice) adds no second one."""
+    from memsave_grads import api  # pylint: disable=import-outside-toplevel
+    api._WARNED_PLAIN.clear()  # pylint: disable=protected-access
+    graph = tf.Graph()
+    with graph.as_default(), caplog.at_level(logging.WARNING, logger="absl"):
+        _, loss, weights = _wide(branches=4)
+        mg.gradients(loss, weights, checkpoints="memory")
+        mg.gradients(loss, weights, checkpoints="memory")
+    warnings = [r.getMessage() for r in caplog.records if "saves no memory" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "plain tf.gradients computes its gradients" in warnings[0]
