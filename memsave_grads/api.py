@@ -13,6 +13,7 @@ from absl import logging
 from memsave_grads import _validate
 from memsave_grads import errors
 from memsave_grads._tf import graph as tf_graph
+from memsave_grads._tf import ordering
 from memsave_grads._tf import selection
 from memsave_grads._tf import stitch
 from memsave_grads.core import budgets
@@ -92,7 +93,8 @@ def run_plan(prepared: "_Prepared", plan: plan_lib.Plan) -> list:
     options = stitch.CallOptions(
         user_stops=prepared.user_stops, tf_kwargs=prepared.tf_kwargs,
         unconnected_zero=prepared.unconnected == tf.UnconnectedGradients.ZERO,
-        scope_prefix=f"{prepared.scope}_memsave")
+        scope_prefix=f"{prepared.scope}_memsave",
+        xla=ordering.xla_in_effect(prepared.graph))
     with prepared.graph.as_default():
         grads = stitch.backprop(prepared.ys, prepared.xs, prepared.grad_ys, model,
                                 dict(enumerate(prepared.region)),

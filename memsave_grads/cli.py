@@ -186,8 +186,9 @@ _COMMANDS = (
      "The demo's measurements over model-scale networks: Keras 2 (tf_keras) ResNet50, "
      "DenseNet121, MobileNetV2, a U-Net and a Transformer encoder stack, a deep residual MLP, "
      "a tanh MLP chain and a small conv ResNet, with the predicted peak of the static memory "
-     "model. Progress on stderr, the table on stdout. Needs: pip install "
-     "'memsave-grads[bench]'."),
+     "model; then, under XLA, the Transformer, the MLPs and the conv ResNet in tf.function "
+     "with and without jit_compile, against tf.recompute_grad. Progress on stderr, the "
+     "tables on stdout. Needs: pip install 'memsave-grads[bench]'."),
     ("scaling", "peak memory vs depth, and the rewrite time of large graphs",
      "Peak memory vs depth of the residual MLP family (8..256 blocks), tf.gradients vs "
      "'memory', as a table (and a PNG with --plot); then the rewrite time of a 1,000-layer "
@@ -221,6 +222,10 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
         _add_repeats(parser)
         _add_models(parser)
         _add_output(parser)
+        parser.add_argument("--xla", choices=("with", "without", "only"), default="with",
+                            help="the table under XLA (tf.function with and without "
+                                 "jit_compile, against tf.recompute_grad): with the graph "
+                                 "table, without it, or only it (default: %(default)s)")
     elif name == "scaling":
         _add_models(parser, default="all Keras networks", catalogue="keras_models")
         _add_plot(parser, "the peak-vs-depth plot")

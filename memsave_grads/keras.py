@@ -159,11 +159,6 @@ def _check_step(model) -> None:
             "model: memsave_grads.keras.train_step ran eagerly; it rewrites the traced graph of "
             "the training step. Compile with run_eagerly=False (and leave "
             "tf.config.run_functions_eagerly off), or call it inside a tf.function.")
-    if getattr(model, "jit_compile", False):
-        raise errors.InvalidArgumentError(
-            "model: jit_compile is on; XLA schedules the step itself and may merge the "
-            "recomputed ops with the forward ones they copy, undoing the memory saving. Compile "
-            "with jit_compile=False (wrap_model turns it off by itself).")
     if getattr(model, "optimizer", None) is None:
         raise errors.InvalidArgumentError(
             "model: the model has no optimizer. Call model.compile(optimizer=..., loss=...) "
@@ -251,7 +246,7 @@ def train_step(model, data, checkpoints="memory", fallback: str = "warn"):
 
     Raises:
       EagerExecutionError: called eagerly (``run_eagerly=True``).
-      InvalidArgumentError: the model uses ``jit_compile=True`` or has no optimizer.
+      InvalidArgumentError: the model has no optimizer.
     """
     version = keras_version(model)
     _check_step(model)
@@ -281,28 +276,6 @@ class _WrappedTrainStep:
                 f"fallback={self.fallback!r}>")
 
 
-class _MakeTrainFunction:
-    """``model.make_train_function`` on a wrapped model: turns XLA off before Keras builds the
-    training function (a later ``compile()`` may have turned it on again)."""
-
-    def __init__(self, model):
-        self._model = weakref.ref(model)
-
-    def __call__(self, force=False):
-        model = self._model()
-        _turn_off_jit_compile(model)
-        return type(model).make_train_function(model, force)
-
-
-def _turn_off_jit_compile(model) -> None:
-    if getattr(model, "jit_compile", False):
-        logging.warning(
-            "memsave_grads.keras: turning jit_compile off for %s: XLA schedules the training "
-            "step itself and may merge the recomputed ops with the forward ones they copy.",
-            model.name)
-        model.jit_compile = False
-
-
 def is_wrapped(model: object) -> bool:
     """Whether :func:`wrap_model` has wrapped this model object."""
     return isinstance(getattr(model, "__dict__", {}).get("train_step"), _WrappedTrainStep)
@@ -313,12 +286,13 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
     """Make ``model.fit`` (and ``train_on_batch``) compute gradients with memsave_grads.
 
     Patches **this model object in place** and returns it: its ``train_step`` becomes
-    :func:`train_step` with these arguments, and its ``make_train_function`` turns
-    ``jit_compile`` off before Keras builds the training function (XLA may undo the
-    recomputation schedule). The cached training function is dropped, so the next ``fit``
-    traces the new step. The class, other models, ``evaluate`` and ``predict`` are unchanged;
-    compiling again keeps the wrapping; :func:`unwrap_model` undoes it. Saved models do not
-    remember it (wrap again after loading). Wrapping a wrapped model replaces its settings.
+    :func:`train_step` with these arguments. The model's ``jit_compile`` (True, False or
+    Keras 3's "auto") is kept: under XLA the recomputation waits for its gradients through
+    dataflow (docs/design.md, note "ordering under XLA"). The cached training function is
+    dropped, so the next ``fit`` traces the new step. The class, other models, ``evaluate``
+    and ``predict`` are unchanged; compiling again keeps the wrapping; :func:`unwrap_model`
+    undoes it. Saved models do not remember it (wrap again after loading). Wrapping a wrapped
+    model replaces its settings.
 
     Args:
       model: a compiled Keras model: tf_keras (Keras 2), or Keras 3 (``keras`` / ``tf.keras``
@@ -343,9 +317,7 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
     if is_wrapped(model):
         logging.info("memsave_grads.keras: re-wrapping %s with checkpoints=%r", model.name,
                      checkpoints)
-    _turn_off_jit_compile(model)
     model.train_step = _WrappedTrainStep(model, checkpoints, fallback)
-    model.make_train_function = _MakeTrainFunction(model)
     model.train_function = None
     logging.info("memsave_grads.keras: wrapped %s (%s), checkpoints=%r", model.name, version,
                  checkpoints)
@@ -355,7 +327,7 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
 def unwrap_model(model: _Model) -> _Model:
     """Undo :func:`wrap_model`: the model trains with its class's ``train_step`` again.
 
-    ``jit_compile`` stays off. Returns ``model``.
+    Returns ``model``.
 
     Raises:
       InvalidArgumentError: the model is not wrapped.
@@ -365,7 +337,6 @@ def unwrap_model(model: _Model) -> _Model:
         raise errors.InvalidArgumentError(
             f"model: unwrap_model: {getattr(model, 'name', model)!r} is not wrapped; "
             "check memsave_grads.keras.is_wrapped(model).")
-    for attr in ("train_step", "make_train_function"):
-        model.__dict__.pop(attr, None)
+    model.__dict__.pop("train_step", None)
     model.train_function = None
     return model

@@ -13,6 +13,7 @@ import tensorflow as tf
 from absl import logging
 
 from memsave_grads._tf import early_release
+from memsave_grads._tf import ordering
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads import _validate
 from memsave_grads import api
@@ -224,6 +225,16 @@ def minimize(loss: tf.Tensor, optimizer: Any, var_list: Sequence[tf.Variable] | 
         updates.sort(key=lambda u: max(map(tf_graph.creation_index, u.producers), default=0))
         early_release.mark_early_roots(updates)
         stats = early_release.order_updates(updates, grad_floor)
+        if ordering.xla_in_effect(tf.compat.v1.get_default_graph()):
+            # The release order is control edges only: a gradient cannot be made to wait
+            # for an earlier variable's *update* through dataflow without reading the
+            # updated variable, which would change the values.
+            ordering.warn_once(
+                "minimize under XLA",
+                "memsave_grads.minimize: under XLA (jit_compile) the early-release ordering "
+                "is control dependencies, which XLA drops: updates stay exact, but when each "
+                "gradient is released is up to XLA's scheduler. Recomputation savings are "
+                "kept (design note \"ordering under XLA\").")
     logging.vlog(1, "memsave_grads.minimize: %d variables; control edges %s", len(updates),
                  stats)
     if stats["skipped_cycles"]:

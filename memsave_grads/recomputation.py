@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import tensorflow as tf
 from absl import logging
 
+from memsave_grads._tf import ordering
 from memsave_grads._tf import rewrite
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads import errors
@@ -163,13 +164,19 @@ def _backward(plan: _Plan, inputs, outputs, output_grads, variables, scope):
     # Local stand-ins for the forward values the copies read: in a loop's backward body they
     # are captured (stored per iteration); elsewhere they are the forward tensors themselves.
     with tf.name_scope(scope):
+        # Under XLA, which drops control inputs, the copies also wait for the gradients
+        # through dataflow (design note "ordering under XLA").
+        arrival = None
+        if plan.replayed and ordering.xla_in_effect(graph):
+            with tf.name_scope("arrival"):
+                arrival = ordering.gradient_arrival(live)
         with tf.name_scope("stored"):
             local_inputs = [tf.identity(t) if _differentiable(t) else t for t in inputs]
             local_reads = [tf.identity(t) for t in plan.kept_reads]
         replacements = {t.ref(): local for t, local in zip(inputs, local_inputs)}
         replacements.update({t.ref(): local for t, local in zip(plan.kept_reads, local_reads)})
         copies = rewrite.copy_ops(plan.replayed, "replay", control_inputs=[g.op for g in live],
-                                   replacements=replacements, graph=graph)
+                                   replacements=replacements, graph=graph, arrival=arrival)
         replayed_outputs = [copies[t.op].outputs[t.value_index] if t.op in copies
                             else replacements.get(t.ref(), t) for t in outputs]
         pairs = [(y, g) for y, g in zip(replayed_outputs, output_grads)

@@ -126,6 +126,30 @@ def test_measure_model_gradients_match():
     assert harness.summary_line(results, harness.MEMORY).startswith("memsave_grads 'memory': ")
 
 
+def test_xla_measure_model_rows_and_table():
+    from memsave_grads.bench import xla as bench_xla  # pylint: disable=import-outside-toplevel
+    spec = models.XlaSpec("tiny residual MLP", "mlp",
+                          {"depth": 6, "width": 32, "batch": 16, "residual": True})
+    results = bench_xla.measure_model(spec, repeats=1)
+    assert [(r.method, r.jit_compile) for r in results] == [
+        (m, jit) for jit in (False, True) for m in bench_xla.METHODS]
+    for r in results:
+        assert r.failed is None, r.failed
+        assert r.max_rel_error < 1e-5 and r.peak_bytes > 0 and r.median_seconds > 0
+    table = bench_xla.table([results])
+    assert "peak MiB XLA" in table and table.count("| tiny residual MLP |") == 3
+
+
+def test_xla_models_are_selected_by_the_benchmark_s_names():
+    """--models is checked against benchmark_models(); each XLA model's name starts with the
+    name of the benchmark network it mirrors, so the same filter selects it."""
+    names = [spec.name for spec in models.benchmark_models()]
+    for spec in models.xla_models():
+        assert any(spec.name.startswith(name) for name in names), spec.name
+    assert [s.name for s in models.select(models.xla_models(), ["transformer"])] == [
+        "Transformer 8 layers b=8 seq=256 (raw ops)"]
+
+
 def test_ratio_formatting():
     assert harness.format_peak_ratio(400, 100) == "4.00x less"
     assert harness.format_peak_ratio(100, 120) == "1.20x more"
@@ -244,7 +268,8 @@ def test_top_level_help_lists_every_command_with_one_line(capsys):
 @pytest.mark.parametrize("command, present, absent", [
     ("demo", ["--depth N", "(default: 64)", "--width N", "(default: 1024)", "--batch N",
               "(default: 256)", "--repeats N", "(default: 3)"], ["--models", "--checkpoints"]),
-    ("benchmark", ["--repeats", "--models", "--output"], ["--depth", "--fractions", "--plot"]),
+    ("benchmark", ["--repeats", "--models", "--output", "--xla", "(default: with)"],
+     ["--depth", "--fractions", "--plot"]),
     ("scaling", ["--models", "--plot", "--output", "all Keras networks"], ["--repeats"]),
     ("explain", ["--models", "--checkpoints", "(default: memory)"], ["--repeats", "--output"]),
     ("budgets", ["--models", "--fractions", "(default: 0.75,0.5,0.35)", "--repeats",

@@ -7,6 +7,7 @@ If/While ops exactly). Private TF API is used only under ``_tf/``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Mapping, Sequence
 
@@ -14,6 +15,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import control_flow_util_v2
 
+from memsave_grads._tf import ordering
 from memsave_grads.core import op_types
 
 _function_counter = itertools.count()
@@ -28,7 +30,8 @@ _CACHED_FUNC_GRAPH_ATTRS = ("_true_graph", "_false_graph", "_cond_graph", "_body
 
 def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[tf.Operation],
              replacements: Mapping | None = None,
-             graph: tf.Graph | None = None) -> dict[tf.Operation, tf.Operation]:
+             graph: tf.Graph | None = None,
+             arrival: tf.Tensor | None = None) -> dict[tf.Operation, tf.Operation]:
     """Copy ``ops`` (topologically ordered, one graph) and return ``{original: copy}``, plus
     ``{op: op}`` for the few helper ops made along the way (identities that delay a While
     copy's inputs), so that the values of the mapping are the whole copied region.
@@ -43,6 +46,10 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
     no other copy get ``control_inputs`` as extra control dependencies: without them
     TensorFlow schedules the recomputation during the forward pass and nothing is saved
     (docs/design.md, note "scheduling").
+
+    ``arrival`` (under XLA, which drops control inputs): the zero of
+    ``ordering.gradient_arrival``; each copy that reads no other copy reads one of its inputs
+    through ``ordering.after`` (design note "ordering under XLA").
     """
     if not ops:
         return {}
@@ -50,10 +57,13 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
     source = ops[0].graph
     graph = graph or source
     copies: dict[tf.Operation, tf.Operation] = {}
+    waiting: dict = {}  # tensor ref -> its ordering.after stand-in (one per tensor)
     with graph.name_scope(scope):
         for op in ops:
             inputs = [copies[t.op].outputs[t.value_index] if t.op in copies
                       else replacements.get(t.ref(), t) for t in op.inputs]
+            if arrival is not None and not any(t.op in copies for t in op.inputs):
+                inputs = _wait_for_arrival(op, inputs, arrival, waiting, graph)
             extra = [copies.get(c, c) for c in op.control_inputs
                      if c in copies or c.graph is graph]
             if not any(t.op in copies for t in op.inputs):
@@ -92,6 +102,35 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
             _give_own_functions(new)
             copies[op] = new
     return copies
+
+
+def _wait_for_arrival(op: tf.Operation, inputs: list, arrival: tf.Tensor, waiting: dict,
+                      graph: tf.Graph) -> list:
+    """The inputs of a root copy (one that reads no other copy), one of them made to wait for
+    the gradient's arrival: the smallest floating one, whichever it is (an activation or a
+    weight), since the wait costs a copy of it where XLA cannot fuse the subtraction into the
+    consumer. Everything downstream of the root then waits too, and the copy differs from its
+    original, so XLA cannot merge them."""
+    candidates = [i for i, t in enumerate(inputs) if ordering.can_wait(t)]
+    if not candidates:
+        if inputs:
+            ordering.warn_unordered(f"a recomputed {op.type} op", inputs)
+        return inputs
+    chosen = min(candidates, key=lambda i: _elements(inputs[i]))
+    t = inputs[chosen]
+    if t.ref() not in waiting:
+        with graph.as_default(), (
+                # Another graph (a loop's backward body) captures t; colocation would name
+                # an op of the source graph.
+                graph.colocate_with(t.op, ignore_existing=True) if t.graph is graph
+                else contextlib.nullcontext()):
+            waiting[t.ref()] = ordering.after(t, arrival)
+    return inputs[:chosen] + [waiting[t.ref()]] + inputs[chosen + 1:]
+
+
+def _elements(t: tf.Tensor) -> float:
+    count = t.shape.num_elements()
+    return float("inf") if count is None else count
 
 
 #: Function-valued attributes of control-flow v2 ops, with the cache attribute the gradient

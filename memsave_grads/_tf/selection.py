@@ -316,7 +316,8 @@ def _predicted_peaks(ctx: SelectionContext, plan: plan_lib.Plan,
 
 
 def decide_schedule(ctx: SelectionContext, checkpoints, plan: plan_lib.Plan) -> ScheduleDecision:
-    """The never-worse rule (docs/design.md, note "never worse"), logged at vlog(1).
+    """The never-worse rule (docs/design.md, note "never worse"); gradients() warns once
+    where it keeps the plain schedule.
 
     Automatic strategies (``"memory"``, ``"speed"``, budgets) and ``"collection"`` keep plain
     tf.gradients' schedule unless the plan is predicted to peak at most

@@ -20,6 +20,7 @@ from typing import Iterable, Mapping, Sequence
 import tensorflow as tf
 from absl import logging
 
+from memsave_grads._tf import ordering
 from memsave_grads._tf import rewrite
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads import errors
@@ -95,12 +96,15 @@ class CallOptions:
       tf_kwargs: the other ``tf.gradients`` keyword arguments, passed on.
       unconnected_zero: return zeros, not None, for an x no y depends on.
       scope_prefix: name scope of the copies and boundaries.
+      xla: the step is compiled by XLA (``ordering.xla_in_effect``): copies also wait for
+        their gradients through dataflow.
     """
 
     user_stops: Sequence[tf.Tensor]
     tf_kwargs: dict
     unconnected_zero: bool
     scope_prefix: str
+    xla: bool = False
 
 
 class _Backprop:
@@ -235,8 +239,16 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
         for t in copied_sources:
             with t.graph.colocate_with(t.op):
                 boundaries[t.ref()] = tf.identity(t)
-    control = [c for _, ds in active for d in ds if d is not None for c in _gradient_ops(d)]
-    copies = rewrite.copy_ops(to_copy, scope, control, replacements=boundaries)
+    incoming = [d for _, ds in active for d in ds if d is not None]
+    control = [c for d in incoming for c in _gradient_ops(d)]
+    # Under XLA, which drops control inputs, the copies also wait for the level's gradients
+    # through dataflow (design note "ordering under XLA").
+    arrival = None
+    if state.options.xla and to_copy:
+        with tf.name_scope(f"{scope}/arrival"):
+            arrival = ordering.gradient_arrival(incoming)
+    copies = rewrite.copy_ops(to_copy, scope, control, replacements=boundaries,
+                              arrival=arrival)
     targets, target_grads, copied = [], [], []
     for k, ds in active:
         op = state.ops[k]

@@ -21,6 +21,7 @@ from memsave_grads import measure
 from memsave_grads.bench import harness
 from memsave_grads.bench import models
 from memsave_grads.bench import solvers as bench_solvers
+from memsave_grads.bench import xla as bench_xla
 from memsave_grads.core import memory_model
 from memsave_grads.core import solvers as core_solvers
 
@@ -69,11 +70,36 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def benchmark(args: argparse.Namespace) -> int:
-    """``benchmark``: every model family; returns 1 if a model failed unexpectedly."""
+    """``benchmark``: every model family, then the XLA table (``--xla``); returns 1 if a
+    model failed unexpectedly."""
+    start = time.perf_counter()
+    sections, status = [], 0
+    if args.xla != "only":
+        table, status = _graph_benchmark(args)
+        sections.append(table + "\n\n" + harness.TABLE_NOTES)
+    if args.xla != "without":
+        table, xla_status = _xla_benchmark(args)
+        status = max(status, xla_status)
+        if table:
+            sections.append("## Under XLA\n\n" + table + "\n\n" + bench_xla.TABLE_NOTES)
+    logging.info("benchmark measured in %.1f s", time.perf_counter() - start)
+    text = "\n\n".join(sections)
+    print(text)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write("# memsave_grads benchmark\n\n")
+            f.write(f"{datetime.date.today().isoformat()}, {_environment_line()}, "
+                    f"median of {args.repeats} steps.\n\n")
+            f.write(text + "\n")
+        logging.info("wrote %s", args.output)
+    return status
+
+
+def _graph_benchmark(args: argparse.Namespace) -> tuple[str, int]:
+    """The v1-graph table of :func:`models.benchmark_models`."""
     specs = models.select(models.benchmark_models(), args.models)
     all_results = []
     status = 0
-    start = time.perf_counter()
     for i, spec in enumerate(specs, 1):
         logging.info("[%d/%d] %s ...", i, len(specs), spec.description)
         model_start = time.perf_counter()
@@ -88,20 +114,19 @@ def benchmark(args: argparse.Namespace) -> int:
                                           for m in harness.DEFAULT_METHODS[1:])))
         logging.info("[%d/%d] %s done in %.1f s. %s", i, len(specs), spec.name,
                      time.perf_counter() - model_start, summary or "")
-    logging.info("benchmark measured in %.1f s", time.perf_counter() - start)
+    return harness.benchmark_table(all_results), status
 
-    table = harness.benchmark_table(all_results)
-    print(table)
-    print()
-    print(harness.TABLE_NOTES)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write("# memsave_grads benchmark\n\n")
-            f.write(f"{datetime.date.today().isoformat()}, {_environment_line()}, "
-                    f"median of {args.repeats} steps.\n\n")
-            f.write(table + "\n\n" + harness.TABLE_NOTES + "\n")
-        logging.info("wrote %s", args.output)
-    return status
+
+def _xla_benchmark(args: argparse.Namespace) -> tuple[str, int]:
+    """The tf.function table of :func:`models.xla_models`, without and with jit_compile
+    (empty when ``--models`` names none of them)."""
+    specs = models.select(models.xla_models(), args.models)
+    all_results = []
+    for i, spec in enumerate(specs, 1):
+        logging.info("[XLA %d/%d] %s ...", i, len(specs), spec.description)
+        all_results.append(bench_xla.measure_model(spec, repeats=args.repeats))
+    failed = any(r.failed for results in all_results for r in results)
+    return (bench_xla.table(all_results) if all_results else ""), int(failed)
 
 
 def scaling(args: argparse.Namespace) -> int:

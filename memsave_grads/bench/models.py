@@ -163,6 +163,40 @@ def benchmark_models() -> list[ModelSpec]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class XlaSpec:
+    """A model of the XLA table: ``memsave_grads.bench.xla.<function>(**kwargs)`` builds it
+    (a ``BlockModel``: eager variables and block functions) in the process that measures it,
+    which is why the spec is a name and JSON-able arguments rather than a closure."""
+
+    name: str
+    function: str
+    kwargs: dict
+    description: str = ""
+
+
+def xla_models() -> list[XlaSpec]:
+    """The benchmark's XLA table: the networks of :func:`benchmark_models` that are stacks
+    of blocks (so that ``tf.recompute_grad`` can wrap them), under the same names; the
+    Transformer is written in raw ops (no biases, LayerNorm without offset), not Keras', and
+    says so in its name."""
+    return [
+        XlaSpec("Transformer 8 layers b=8 seq=256 (raw ops)", "transformer",
+                {"layers_count": 8, "batch": 8, "sequence": 256},
+                "Transformer encoder (raw ops): 8 pre-norm layers, d_model 256, sequence 256, "
+                "batch 8"),
+        XlaSpec("residual MLP d=128 w=512 b=256", "mlp",
+                {"depth": 128, "width": 512, "batch": 256, "residual": True},
+                "residual MLP: 128 blocks, width 512, batch 256"),
+        XlaSpec("tanh MLP d=64 w=1024 b=256", "mlp",
+                {"depth": 64, "width": 1024, "batch": 256, "residual": False},
+                "tanh MLP chain: 64 layers, width 1024, batch 256"),
+        XlaSpec("conv ResNet 16 blocks b=32 32x32", "conv_resnet",
+                {"blocks": 16, "batch": 32, "image": 32},
+                "ResNet-style conv net: 16 residual blocks, 32x32 images, batch 32"),
+    ]
+
+
 #: Depths of the residual family whose peak memory ``memsave-grads scaling`` plots.
 SCALING_DEPTHS = (8, 16, 32, 64, 128, 256)
 

@@ -1,0 +1,121 @@
+"""Make recomputation wait for the incoming gradient, in a way XLA keeps too.
+
+Outside XLA, control inputs on the incoming gradients are enough: TensorFlow's executor runs a
+copy only once they have run (design note "scheduling"). XLA drops control dependencies and
+merges identical computations (common-subexpression elimination): a copy that reads the same
+values as its original becomes the original again, so the activations it was meant to
+recompute stay alive from the forward pass, and nothing is saved. Under XLA each copy that
+reads no other copy therefore reads one input as a *different value in dataflow*: the input
+minus a zero computed from the incoming gradient (design note "ordering under XLA"). The
+subtraction is exact (``x - 0.0`` is ``x`` for every float, ``-0.0``, infinities and NaN
+included), and the zero never carries the gradient's value: a NaN or Inf gradient still
+gives exactly 0.
+
+Only under XLA: outside it the subtraction would materialize a copy of a tensor for nothing
+(control inputs already work), so plain graphs are unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+import tensorflow as tf
+from absl import logging
+from tensorflow.python.ops import control_flow_util
+
+_warned: set[str] = set()
+
+
+def xla_in_effect(graph: tf.Graph | None = None) -> bool:
+    """Whether ops built now in ``graph`` (default: the current one) will be compiled by XLA.
+
+    True inside ``tf.function(jit_compile=True)`` (Keras' ``jit_compile=True`` steps
+    included), in functions and loops nested in one, and under XLA auto-clustering
+    (``tf.config.optimizer.set_jit(True)`` or ``TF_XLA_FLAGS=--tf_xla_auto_jit=...``), where
+    clusters may drop control dependencies between their ops too. Auto-clustering is taken
+    at its word: on CPU it clusters nothing without ``--tf_xla_cpu_global_jit``, and the
+    subtractions are then paid for nothing (a copy of one input per recomputed root).
+
+    Not seen: a TF1 ``ConfigProto``'s ``global_jit_level`` and
+    ``tf.xla.experimental.jit_scope()``, which only the session or the op attributes carry.
+    There the control inputs alone order the copies, and clusters may drop them.
+    """
+    graph = graph or tf.compat.v1.get_default_graph()
+    if control_flow_util.GraphOrParentsInXlaContext(graph):
+        return True
+    if tf.config.optimizer.get_jit():
+        return True
+    return _auto_jit_in_flags(os.environ.get("TF_XLA_FLAGS", ""))
+
+
+def _auto_jit_in_flags(flags: str) -> bool:
+    for flag in flags.split():
+        name, _, value = flag.partition("=")
+        if name.lstrip("-") == "tf_xla_auto_jit":
+            return value.strip() not in ("", "0", "-1")
+    return False
+
+
+def gradient_arrival(incoming: Iterable) -> tf.Tensor | None:
+    """A float32 scalar zero that XLA can compute only once every tensor of ``incoming`` (the
+    gradients a recomputation waits for; dense tensors or IndexedSlices) exists.
+
+    It reads one element of each (an empty tensor reads none and still orders), casts it to
+    bool so that NaN and Inf become ``True`` like any other value, and turns ``b == b``
+    (always true, but not known to the compiler) into 0. This is the construction of
+    ``tf.recompute_grad``, which survives XLA for the same reason.
+    """
+    flags = []
+    for g in incoming:
+        if g is None:
+            continue
+        values = g.values if isinstance(g, tf.IndexedSlices) else g
+        if values.dtype.is_complex:
+            values = tf.math.real(values)
+        if values.dtype in (tf.resource, tf.variant, tf.string):
+            continue
+        first = tf.reshape(values, [-1])[:1]
+        flags.append(tf.reduce_any(tf.cast(first, tf.bool)))
+    if not flags:
+        return None
+    arrived = flags[0] if len(flags) == 1 else tf.reduce_any(tf.stack(flags))
+    return tf.where(tf.equal(arrived, arrived), 0.0, float("nan"))
+
+
+def can_wait(t: tf.Tensor) -> bool:
+    """Whether ``after`` may tie ``t`` to the gradient: floating and complex tensors.
+
+    Not integers: they are the shapes, axes, permutations and sizes that XLA needs as
+    compile-time constants (``Mean``'s axes, ``Reshape``'s shape), which a value computed from
+    the gradient is not. Not bools, resources, variants or strings either."""
+    return t.dtype.is_floating or t.dtype.is_complex
+
+
+def after(t: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
+    """A new tensor equal to ``t``, computed only once ``zero`` (from
+    :func:`gradient_arrival`) exists; an identity where ``t`` cannot wait (see
+    :func:`can_wait`), which orders nothing under XLA."""
+    if not can_wait(t):
+        return tf.identity(t)
+    return tf.subtract(t, tf.cast(zero, t.dtype), name="after_gradient")
+
+
+def warn_once(key: str, message: str, *args) -> None:
+    """Log ``message % args`` as a warning the first time ``key`` is seen in this process (a
+    step traced again says nothing new)."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    logging.warning(message, *args)
+
+
+def warn_unordered(what: str, tensors: Sequence[tf.Tensor]) -> None:
+    """Say once per kind of construct that XLA may schedule some copies early."""
+    warn_once(
+        f"unordered {what}",
+        "memsave_grads: under XLA, %s reads only %s (%s), which cannot carry a data "
+        "dependency on the incoming gradient; XLA may compute it during the forward pass and "
+        "keep what it reads. Gradients stay exact; only that part of the saving may be lost.",
+        what, ", ".join(sorted({t.dtype.name for t in tensors})),
+        ", ".join(t.name for t in tensors[:3]))

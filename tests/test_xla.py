@@ -1,0 +1,314 @@
+"""Under XLA (``tf.function(jit_compile=True)``) the recomputation still saves memory, and the
+gradients are still tf.gradients'.
+
+XLA drops control dependencies and merges a copy that reads the same values as its original
+back into it; the copies' inputs therefore wait for the incoming gradient through dataflow
+(design note "ordering under XLA"). CPU XLA allocates its buffers through the BFC allocator, so
+the peaks below are the allocator's byte counts, deterministic for a given program: bounds
+with headroom, not timings.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave_grads as mg
+from conftest import assert_grads_close
+from memsave_grads import measure
+from memsave_grads._tf import ordering
+from memsave_grads.bench import xla as bench_xla
+from memsave_grads.bench.models import XlaSpec
+from memsave_grads.patching import original_gradients
+from tf_builders import residual_tanh_mlp, tanh_layers
+
+MIB = measure.MIB
+
+
+def _measured(spec, method):
+    """Peak and gradient error of one training step under XLA, in a fresh process
+    (``bench.xla.measure``): XLA allocates a step's temporaries as one buffer, and the BFC
+    allocator may place it, unsplit, in a free chunk up to twice its size that earlier tests
+    left behind, so an in-process peak depends on which tests ran before."""
+    result = bench_xla.measure(spec, method, jit_compile=True, repeats=1)
+    assert result.failed is None, result.failed
+    return result
+
+
+PLAIN, MEMORY = bench_xla.METHODS[:2]
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["tanh_chain", "residual_chain"])
+def test_chain_saves_under_xla(residual):
+    """64 layers ``tanh(h @ W)`` (or ``h + tanh(h @ W)``) of 1 MiB activations, and
+    tf.gradients' values. Measured: 128 -> 32 MiB (tanh) and 256 -> 32 MiB (residual), what
+    tf.recompute_grad every 8 layers reaches; the bound leaves headroom below the 4x. (A chain
+    of elementwise ops alone would not do: XLA fuses its forward and backward into one loop
+    and stores nothing.)"""
+    spec = XlaSpec("chain", "mlp", {"depth": 64, "width": 256, "batch": 1024,
+                                    "residual": residual})
+    plain, ours = _measured(spec, PLAIN), _measured(spec, MEMORY)
+    assert ours.max_rel_error <= 1e-5
+    assert plain.peak_bytes >= 60 * MIB, plain.peak_bytes / MIB  # XLA keeps the activations
+    assert ours.peak_bytes <= 0.3 * plain.peak_bytes, (ours.peak_bytes / MIB,
+                                                       plain.peak_bytes / MIB)
+
+
+def test_without_the_data_dependency_xla_saves_nothing(monkeypatch):
+    """The guard: with control inputs alone (what works outside XLA) XLA merges the copies back
+    and keeps the 64 activations, so the bound above catches a change that loses the dataflow
+    ordering. (A lower bound: an allocator's leftover chunks can only raise a peak.)"""
+    monkeypatch.setattr(ordering, "xla_in_effect", lambda graph=None: False)
+    rng = np.random.RandomState(0)
+    x = tf.constant(rng.uniform(-1, 1, (1024, 256)).astype(np.float32))
+    weights = [tf.constant(rng.randn(256, 256).astype(np.float32) * 0.06) for _ in range(64)]
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        y = tf.reduce_sum(residual_tanh_mlp(x, weights))
+        return mg.gradients(y, [x], checkpoints="memory")[0]
+
+    step(x)
+    unordered_bytes, _ = measure.peak_bytes_of(lambda: step(x))
+    assert unordered_bytes >= 60 * MIB, unordered_bytes / MIB
+
+
+@pytest.mark.parametrize("spec,max_ratio", [
+    (XlaSpec("residual MLP", "mlp", {"depth": 32, "width": 256, "batch": 512,
+                                     "residual": True}), 0.35),
+    (XlaSpec("Transformer", "transformer", {"layers_count": 4, "batch": 4, "sequence": 128,
+                                            "d_model": 64, "heads": 4}), 0.5),
+    # Small enough that the never-worse rule keeps plain tf.gradients (measured: the same
+    # 28 MiB under XLA): the bound is that it never costs more.
+    (XlaSpec("conv ResNet", "conv_resnet", {"blocks": 8, "batch": 16, "image": 32,
+                                            "channels": [16, 32]}), 1.0),
+], ids=["residual_mlp", "transformer", "conv_resnet"])
+def test_networks_under_xla(spec, max_ratio):
+    """A residual MLP, a Transformer encoder (attention, LayerNorm, GELU) and a conv ResNet
+    (batch norm with batch statistics): tf.gradients' values, and the measured peak."""
+    plain, ours = _measured(spec, PLAIN), _measured(spec, MEMORY)
+    assert ours.max_rel_error <= 1e-5
+    assert ours.peak_bytes <= max_ratio * plain.peak_bytes, (ours.peak_bytes / MIB,
+                                                            plain.peak_bytes / MIB)
+
+
+_KERAS3_STEP = """
+import json, sys
+import numpy as np
+import keras
+import memsave_grads as mg
+rows, width, depth = 512, 256, 24
+data = np.random.RandomState(0).randn(rows, width).astype("float32")
+target = np.random.RandomState(1).randn(rows, 1).astype("float32")
+keras.utils.set_random_seed(0)
+x = keras.Input((width,))
+h = x
+for _ in range(depth):
+    h = keras.layers.Add()([h, keras.layers.Dense(width, activation="tanh")(h)])
+model = keras.Model(x, keras.layers.Dense(1)(h))
+model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse", jit_compile=True)
+if sys.argv[1] == "wrapped":
+    mg.wrap_model(model)
+model.train_on_batch(data, target)
+peak = measure.peak_bytes_of(lambda: model.train_on_batch(data, target))[0]
+print(json.dumps({"peak": peak, "jit_compile": model.jit_compile,
+                  "predictions": model.predict(data[:8], verbose=0).tolist()}))
+"""
+
+
+def test_keras3_fit_under_xla_saves_memory():
+    """wrap_model keeps jit_compile=True; a Keras 3 training step under XLA peaks at less
+    than half of stock (each in a fresh process), with stock's weights after it."""
+    keras = pytest.importorskip("keras")
+    if not keras.__version__.startswith("3"):
+        pytest.skip("Keras 3 is not installed")
+    stock, wrapped = (_run_child(_KERAS3_STEP, kind) for kind in ("stock", "wrapped"))
+    assert stock["jit_compile"] is True and wrapped["jit_compile"] is True
+    np.testing.assert_allclose(wrapped["predictions"], stock["predictions"], rtol=1e-4,
+                               atol=1e-5)
+    assert wrapped["peak"] <= 0.5 * stock["peak"], (wrapped["peak"] / MIB, stock["peak"] / MIB)
+
+
+def test_nan_and_inf_in_the_incoming_gradient_do_not_leak():
+    """The dataflow zero is made from a bool of the gradient: NaN and Inf give 0, not NaN."""
+    x = tf.constant(np.random.RandomState(2).randn(8, 16).astype(np.float32))
+    grad_y = np.ones((8, 16), np.float32)
+    grad_y[0, 0], grad_y[3, 5] = np.nan, np.inf
+
+    def run(gradients):
+        @tf.function(jit_compile=True)
+        def step(x, gy):
+            return gradients(tanh_layers(x, 12), [x], gy)[0]
+        return step(x, tf.constant(grad_y)).numpy()
+
+    expected = run(original_gradients)
+    got = run(lambda y, xs, gy: mg.gradients(y, xs, gy, checkpoints="memory"))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-5)
+
+
+def test_second_order_under_xla():
+    """Gradients of our gradients (a Hessian-vector product) are tf.gradients' under XLA."""
+    x = tf.constant(np.random.RandomState(3).randn(16, 32).astype(np.float64))
+    v = tf.constant(np.random.RandomState(4).randn(16, 32).astype(np.float64))
+
+    def hvp(gradients):
+        @tf.function(jit_compile=True)
+        def step(x, v):
+            y = tf.reduce_sum(tanh_layers(x, 16, scale=0.7) ** 2)
+            g = gradients(y, [x])[0]
+            return original_gradients(tf.reduce_sum(g * v), [x])[0]
+        return step(x, v).numpy()
+
+    expected = hvp(original_gradients)
+    got = hvp(lambda y, xs: mg.gradients(y, xs, checkpoints="memory"))
+    np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12 * np.abs(expected).max())
+
+
+def _run_child(code: str, *args: str) -> dict:
+    """Run ``code`` in a fresh Python (BFC allocator on, one large heap region reserved; see
+    ``measure.reserve_cpu_heap``) and return the JSON it prints last."""
+    preamble = ("import os\nos.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'\n"
+                "from memsave_grads import measure\nmeasure.reserve_cpu_heap()\n")
+    proc = subprocess.run([sys.executable, "-c", preamble + code, *args], capture_output=True,
+                          text=True, check=False, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_RECOMPUTED_LSTM_STEP = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+from memsave_grads.recomputation import recompute
+steps, batch, units = 200, 32, 128
+w = tf.Variable(np.random.RandomState(5).randn(2 * units, 4 * units).astype(np.float32) * 0.1)
+x = tf.constant(np.random.RandomState(6).randn(steps, batch, units).astype(np.float32))
+
+def cell(x_t, h):
+    z = tf.matmul(tf.concat([x_t, h], 1), w)
+    i, f, g, o = tf.split(z, 4, axis=1)
+    return tf.sigmoid(o) * tf.tanh(tf.sigmoid(f) * h + tf.sigmoid(i) * tf.tanh(g))
+
+step = recompute(cell) if sys.argv[1] == "recompute" else cell
+
+@tf.function(jit_compile=True)
+def run():
+    def body(t, h, total):
+        h = step(x[t], h)
+        return t + 1, h, total + tf.reduce_sum(h * h)
+    _, _, total = tf.while_loop(lambda t, *_: t < steps, body,
+                                [0, tf.zeros([batch, units]), 0.0], maximum_iterations=steps)
+    return tf.gradients(total, [w])[0]
+
+run()
+peak, grad = measure.peak_bytes_of(run)
+print(json.dumps({"peak": peak, "grad": grad.numpy().ravel()[::97].tolist()}))
+"""
+
+
+def test_recompute_in_a_while_loop_under_xla():
+    """mg.recompute inside a tf.while_loop compiled by XLA: tf.gradients' values, and the
+    per-step activations are not stored. Outside XLA this loop peaks at 27.5 MiB plain and
+    4.8 MiB recomputed; under XLA at 129 and 111 MiB: the same ~20 MiB of stored gates is
+    saved, but XLA's lowering of the loop holds ~100 MiB of its own, which recomputation
+    cannot touch. The bound is on the bytes saved."""
+    plain, ours = (_run_child(_RECOMPUTED_LSTM_STEP, kind) for kind in ("plain", "recompute"))
+    assert_grads_close([np.array(ours["grad"])], [np.array(plain["grad"])])
+    assert plain["peak"] - ours["peak"] >= 15 * MIB, (ours["peak"] / MIB, plain["peak"] / MIB)
+
+
+def test_plain_graphs_keep_identities():
+    """Outside XLA nothing changes: boundaries are identities (no copy of a kept tensor)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 8])
+        mg.gradients(tf.reduce_sum(tanh_layers(x, 20)), [x], checkpoints="memory")
+    assert not [op for op in graph.get_operations() if "after_gradient" in op.name]
+
+
+# --------------------------------------------------------------------------------------------
+# The ordering helpers
+# --------------------------------------------------------------------------------------------
+
+def test_after_is_exact_for_every_float():
+    """Bit for bit under XLA, where it is used: -0.0, infinities, NaN and denormals, whatever
+    the gradient holds. (Eagerly, TensorFlow's CPU kernels flush denormals to zero, so every
+    arithmetic consumer of the original reads them as 0 there anyway.)"""
+    special = np.array([-0.0, 0.0, np.inf, -np.inf, np.nan, -3.4e38, 1.0, 1.2e-38, 1e-45],
+                       np.float32)
+    exact = ~np.isnan(special)
+
+    @tf.function(jit_compile=True)
+    def waited(values, gradient):
+        zero = ordering.gradient_arrival([gradient])
+        return zero, ordering.after(values, zero)
+
+    for gradient in ([np.nan], [np.inf], [-np.inf], [0.0], np.zeros([0], np.float32)):
+        zero, got = waited(tf.constant(special), tf.constant(gradient, tf.float32))
+        assert float(zero) == 0.0 and not np.signbit(float(zero))
+        got = got.numpy()
+        np.testing.assert_array_equal(got.view(np.uint32)[exact],
+                                      special.view(np.uint32)[exact])
+        assert np.isnan(got[~exact]).all()
+    doubles = np.array([-0.0, 1e-300, 5e-324], np.float64)
+    _, got = waited(tf.constant(doubles), tf.constant([np.nan], tf.float32))
+    np.testing.assert_array_equal(got.numpy().view(np.uint64), doubles.view(np.uint64))
+
+
+def test_gradient_arrival_reads_any_gradient():
+    sparse = tf.IndexedSlices(tf.constant([[np.nan, 1.0]]), tf.constant([0]), tf.constant([3, 2]))
+    complex_ = tf.constant([1 + 2j], tf.complex64)
+    zero = ordering.gradient_arrival([None, sparse, complex_, tf.constant([7], tf.int32)])
+    assert zero.dtype == tf.float32 and float(zero) == 0.0
+    assert ordering.gradient_arrival([None]) is None
+    # Integers and bools are left alone: XLA needs shapes and axes as compile-time constants.
+    assert not ordering.can_wait(tf.constant([3], tf.int64))
+    assert not ordering.can_wait(tf.constant([True]))
+    assert ordering.can_wait(tf.constant([1j], tf.complex128))
+    assert ordering.after(tf.constant([3], tf.int64), zero).numpy().tolist() == [3]
+
+
+def test_xla_in_effect():
+    seen = {}
+
+    @tf.function(jit_compile=True)
+    def compiled():
+        seen["jit"] = ordering.xla_in_effect()
+
+        @tf.function
+        def inner():
+            seen["nested"] = ordering.xla_in_effect()
+            return tf.constant(0.0)
+        return inner()
+
+    @tf.function
+    def plain():
+        seen["plain"] = ordering.xla_in_effect()
+        return tf.constant(0.0)
+
+    compiled()
+    plain()
+    assert seen == {"jit": True, "nested": True, "plain": False}
+
+
+def test_auto_clustering_counts_as_xla():
+    tf.config.optimizer.set_jit(True)
+    try:
+        assert ordering.xla_in_effect(tf.Graph())
+    finally:
+        tf.config.optimizer.set_jit(False)
+    assert not ordering.xla_in_effect(tf.Graph())
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ("", False), ("--tf_xla_auto_jit=2", True), ("--tf_xla_auto_jit=1 --foo", True),
+    ("--tf_xla_auto_jit=0", False), ("--tf_xla_auto_jit=-1", False),
+    ("--tf_xla_cpu_global_jit", False)])
+def test_auto_jit_flags(flags, expected):
+    assert ordering._auto_jit_in_flags(flags) is expected  # pylint: disable=protected-access
