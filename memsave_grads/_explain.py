@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from memsave_grads._tf import selection
 from memsave_grads import api
+from memsave_grads import errors
 from memsave_grads.core import memory_model
 from memsave_grads.core import schedule as schedule_lib
 
@@ -157,18 +158,47 @@ def _names(names, limit: int = 6) -> str:
     return shown + (f", ... {len(names) - limit} more" if len(names) > limit else "")
 
 
+def _is_keras_model(value) -> bool:
+    """A Keras 2 or 3 model, told by its class's modules (imports no Keras)."""
+    modules = [getattr(cls, "__module__", "") or "" for cls in type(value).__mro__]
+    return any(m.split(".")[0] in ("keras", "tf_keras") for m in modules) and hasattr(
+        value, "trainable_weights")
+
+
 @tf.autograph.experimental.do_not_convert
-def explain(ys: api.Targets, xs: api.Sources, checkpoints: api.Checkpoints = "memory",
+def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "memory", *,
+            batch_size: int = 32, sequence_length: int | None = None, data=None,
             **tf_gradients_kwargs) -> PlanReport:
     """What ``gradients(ys, xs, checkpoints=checkpoints)`` would keep, recompute, and peak at.
 
     Takes the arguments of :func:`memsave_grads.gradients` (``grad_ys`` does not change the
     plan and is not needed), raises the same errors, and adds no op to the graph.
 
+    ``ys`` may also be a compiled Keras model (``xs`` then left out): the plan of one training
+    step of it, as ``wrap_model(model, checkpoints)`` would make it, for a batch of
+    ``batch_size`` examples (shapes from the model's inputs, outputs and loss; an unknown
+    sequence dimension is ``sequence_length``), or of the arrays ``data=(x, y)``. Nothing runs.
+
     Example::
 
         print(memsave_grads.explain(loss, model.trainable_variables, checkpoints="memory"))
+        print(memsave_grads.explain(keras_model, checkpoints="memory", batch_size=64))
     """
+    if _is_keras_model(ys):
+        if xs is not None or tf_gradients_kwargs:
+            raise errors.InvalidArgumentError(
+                "xs: explain(model) explains the gradients of the model's loss with respect to "
+                f"its trainable weights; got xs={xs!r:.60} and options "
+                f"{sorted(tf_gradients_kwargs)}. Leave them out (or pass the loss tensor and "
+                "the variables instead of the model).")
+        from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
+        _validate_batch_size(batch_size)
+        return keras_lib.explain_model(ys, checkpoints, batch_size=batch_size,
+                                       sequence_length=sequence_length, data=data)
+    if xs is None:
+        raise errors.InvalidArgumentError(
+            "xs: expected the tensors or variables to differentiate with respect to (or a "
+            f"Keras model as the first argument), got None with ys={ys!r:.80}.")
     prepared = api._prepare(ys, xs, None, checkpoints,  # pylint: disable=protected-access
                             tf_gradients_kwargs)
     ctx = prepared.selection
@@ -208,6 +238,17 @@ def explain(ys: api.Targets, xs: api.Sources, checkpoints: api.Checkpoints = "me
         decided_plan_peak_bytes=decision.plan_peak_bytes,
         decided_plain_peak_bytes=decision.plain_peak_bytes,
     )
+
+
+def _validate_batch_size(batch_size) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        raise errors.InvalidTypeError(
+            f"batch_size: expected a positive int (the examples of the batch to plan for), "
+            f"got {type(batch_size).__name__} {batch_size!r}.")
+    if batch_size < 1:
+        raise errors.InvalidArgumentError(
+            f"batch_size: expected a positive int (the examples of the batch to plan for), "
+            f"got {batch_size!r}.")
 
 
 @tf.autograph.experimental.do_not_convert

@@ -123,6 +123,24 @@ def _checkpoints(text: str) -> str:
     return text
 
 
+def _checkpoints_list(text: str) -> list[str]:
+    """Comma-separated strategies or budgets, each checked as ``--checkpoints``."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected one or more strategies, got {text!r}")
+    return [_checkpoints(item) for item in items]
+
+
+def _model_source(text: str) -> str:
+    """A model the fit-limit and explain commands can load (checked without loading it)."""
+    from memsave_grads.bench import fit_limit  # pylint: disable=import-outside-toplevel
+    try:
+        fit_limit.describe_source(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _writable_path(text: str) -> str:
     """A file to write at the end of a long run: its folder must exist now."""
     folder = os.path.dirname(os.path.abspath(text))
@@ -194,7 +212,8 @@ _COMMANDS = (
      "'memory', as a table (and a PNG with --plot); then the rewrite time of a 1,000-layer "
      "chain and of every --models Keras graph against plain tf.gradients graph construction."),
     ("explain", "the plan a strategy makes for each network (builds graphs, runs nothing)",
-     "The plan 'memory' (or --checkpoints) makes for each --models network: checkpoints, "
+     "The plan 'memory' (or --checkpoints) makes for each --models network, or for your "
+     "Keras model with --model (a training step of --batch examples): checkpoints, "
      "segments, predicted peak vs tf.gradients. Builds graphs only; runs nothing."),
     ("budgets", "measured peak and step time under memory budgets",
      "One training step of each --models network under memory budgets of --fractions of "
@@ -203,6 +222,15 @@ _COMMANDS = (
     ("tradeoff", "the Pareto front of peak memory vs recomputed FLOPs",
      "The Pareto front of predicted peak vs recomputed FLOPs across budgets for each --models "
      "network, as a table (and, with --plot, a PNG with measured points at --fractions)."),
+    ("fit-limit", "the largest batch of YOUR model that trains within a memory limit",
+     "How much larger can your model train? Finds the largest batch (or, with --vary "
+     "sequence, sequence length) that trains within --limit-mib, with tf.gradients and with "
+     "each --checkpoints strategy: every try is a fresh process with its allocator capped "
+     "(CPU: TF_CPU_BFC_MEM_LIMIT_IN_MB; GPU: a logical device's memory_limit); the search "
+     "doubles, then bisects. MODEL: a .keras file, a tf_keras SavedModel folder, or "
+     "module:function / file.py:function called with batch_size (and sequence_length) that "
+     "returns a compiled Keras model, (model, (x, y)), or a training-step callable that uses "
+     "tf.gradients. A progress line per try on stderr, a table on stdout, a PNG with --plot."),
     ("solvers", "the greedy budget solver against the exact ones on small graphs",
      "The greedy heuristic against the exact solvers (dp, milp) on graphs of <= 200 ops: "
      "recompute cost at each budget, relative to the best plan found, and solve times."),
@@ -232,6 +260,13 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
         _add_output(parser)
     elif name == "explain":
         _add_models(parser)
+        parser.add_argument("--model", type=_model_source, metavar="MODEL",
+                            help="explain this Keras model instead (as fit-limit's MODEL) "
+                                 "for a batch of --batch")
+        parser.add_argument("--batch", type=_positive_int, default=32, metavar="N",
+                            help="with --model: the batch size (default: %(default)s)")
+        parser.add_argument("--sequence-length", type=_positive_int, metavar="N",
+                            help="with --model: fills unknown input dimensions")
         parser.add_argument("--checkpoints", type=_checkpoints, default="memory",
                             metavar="STRATEGY",
                             help="the strategy to explain: "
@@ -247,6 +282,33 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
         _add_fractions(parser)
         _add_repeats(parser)
         _add_plot(parser, "the front and the measured points")
+        _add_output(parser)
+    elif name == "fit-limit":
+        parser.add_argument("model", type=_model_source, metavar="MODEL",
+                            help="a .keras file, a tf_keras SavedModel folder, or "
+                                 "module:function / path/to/file.py:function")
+        parser.add_argument("--limit-mib", type=_positive_int, required=True, metavar="MIB",
+                            help="the memory limit of every try, in MiB")
+        parser.add_argument("--checkpoints", type=_checkpoints_list, default=["memory"],
+                            metavar="S[,S...]",
+                            help="the strategies to try besides tf.gradients "
+                                 "(default: memory)")
+        parser.add_argument("--keras-remat", action="store_true",
+                            help="also try Keras 3's own keras.RematScope(mode='full')")
+        parser.add_argument("--vary", choices=("batch", "sequence"), default="batch",
+                            help="what to grow: the batch, or the sequence length at a fixed "
+                                 "--batch (the function then takes sequence_length) "
+                                 "(default: %(default)s)")
+        parser.add_argument("--batch", type=_positive_int, default=8, metavar="N",
+                            help="the batch size with --vary sequence (default: %(default)s)")
+        parser.add_argument("--start", type=_positive_int, default=8, metavar="N",
+                            help="the first size tried (default: %(default)s)")
+        parser.add_argument("--max", type=_positive_int, default=4096, metavar="N",
+                            help="the largest size tried (default: %(default)s)")
+        parser.add_argument("--steps", type=_positive_int, default=3, metavar="N",
+                            help="measured steps per try, after one warm-up step "
+                                 "(default: %(default)s)")
+        _add_plot(parser, "peak memory against size, per method")
         _add_output(parser)
     elif name == "solvers":
         _add_output(parser)

@@ -165,11 +165,27 @@ def _check_step(model) -> None:
             "first.")
 
 
+def _forward_and_loss(model, version: str, x, y, sample_weight):
+    """(y_pred, loss) as the stock train_step of the model's Keras computes them: the
+    forward pass with ``training=True``, then the compiled loss plus ``model.losses``."""
+    if version == KERAS2:
+        y_pred = model(x, training=True)
+        return y_pred, model.compute_loss(x, y, y_pred, sample_weight)
+    # pylint: disable=protected-access
+    if getattr(model, "_call_has_training_arg", True):
+        y_pred = model(x, training=True)
+    else:
+        y_pred = model(x)
+    if hasattr(model, "_compute_loss"):
+        return y_pred, model._compute_loss(x=x, y=y, y_pred=y_pred,
+                                           sample_weight=sample_weight, training=True)
+    return y_pred, model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+
+
 def _train_step_keras2(model, data, checkpoints, fallback):
     tf_keras = _import_tf_keras()
     x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
-    y_pred = model(x, training=True)
-    loss = model.compute_loss(x, y, y_pred, sample_weight)
+    y_pred, loss = _forward_and_loss(model, KERAS2, x, y, sample_weight)
     if hasattr(model, "_validate_target_and_loss"):
         model._validate_target_and_loss(y, loss)  # pylint: disable=protected-access
     optimizer = model.optimizer
@@ -193,16 +209,8 @@ def _train_step_keras3(model, data, checkpoints, fallback):
     keras, _ = _import_keras3()
     from keras.src.losses import loss as loss_module  # pylint: disable=import-outside-toplevel
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    y_pred, loss = _forward_and_loss(model, KERAS3, x, y, sample_weight)
     # pylint: disable=protected-access
-    if getattr(model, "_call_has_training_arg", True):
-        y_pred = model(x, training=True)
-    else:
-        y_pred = model(x)
-    if hasattr(model, "_compute_loss"):
-        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                   training=True)
-    else:
-        loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
     first_input = next(i for i in tf.nest.flatten(x) if i is not None)
     model._loss_tracker.update_state(loss_module.unscale_loss_for_distribution(loss),
                                      sample_weight=tf.shape(first_input)[0])
@@ -340,3 +348,152 @@ def unwrap_model(model: _Model) -> _Model:
     model.__dict__.pop("train_step", None)
     model.train_function = None
     return model
+
+
+# --------------------------------------------------------------------------------------------
+# A user's model as a batch and a plan: explain(model) and the fit-limit command
+# --------------------------------------------------------------------------------------------
+
+#: Loss names (substrings, lower case) whose targets are class indices, not the output's shape.
+_SPARSE_LOSSES = ("sparse",)
+
+
+def _loss_names(model) -> list[str]:
+    losses = getattr(model, "loss", None)
+    if isinstance(losses, dict):
+        losses = list(losses.values())
+    losses = losses if isinstance(losses, (list, tuple)) else [losses]
+    names = []
+    for loss in losses:
+        name = loss if isinstance(loss, str) else (
+            getattr(loss, "name", None) or getattr(loss, "__name__", None)
+            or type(loss).__name__)
+        names.append(str(name).lower())
+    return names
+
+
+def _known_shape(shape, batch_size: int, sequence_length: int | None, what: str, name: str):
+    dims = [batch_size]
+    for d in list(shape)[1:]:
+        d = getattr(d, "value", d)   # tf.compat.v1 Dimension
+        if d is None:
+            if sequence_length is None:
+                raise errors.InvalidArgumentError(
+                    f"model: {what} {name!r} has shape {tuple(shape)}, with an unknown "
+                    "dimension besides the batch; pass sequence_length= (the command line's "
+                    "--sequence-length) to fill it in, or pass data=(x, y).")
+            d = sequence_length
+        dims.append(int(d))
+    return dims
+
+
+def batch_specs(model, batch_size: int, sequence_length: int | None = None):
+    """``(x, y)`` of one batch of ``model``'s training data, as lists of ``tf.TensorSpec``.
+
+    Inputs come from ``model.inputs``; targets from ``model.outputs`` and the compiled loss:
+    class indices (int32, the output's shape without its last axis) for sparse losses, the
+    output's shape otherwise. Unknown dimensions besides the batch are ``sequence_length``.
+
+    Raises:
+      InvalidArgumentError: the model has no known inputs or outputs (not built: call it once
+        or give it an ``Input``), or an unknown dimension and no ``sequence_length``.
+    """
+    try:
+        inputs, outputs = list(model.inputs or []), list(model.outputs or [])
+    except (AttributeError, ValueError):
+        inputs, outputs = [], []
+    if not inputs or not outputs:
+        raise errors.InvalidArgumentError(
+            f"model: {getattr(model, 'name', model)!r} has no known inputs and outputs (a "
+            "subclassed or unbuilt model); build it with keras.Input(...), or pass "
+            "data=(x, y) with one batch.")
+    losses = _loss_names(model)
+    x_specs = [tf.TensorSpec(_known_shape(t.shape, batch_size, sequence_length, "input",
+                                          getattr(t, "name", str(i))),
+                             tf.as_dtype(t.dtype), name=f"x{i}")
+               for i, t in enumerate(inputs)]
+    y_specs = []
+    for i, t in enumerate(outputs):
+        loss = losses[i] if i < len(losses) else losses[-1]
+        shape = _known_shape(t.shape, batch_size, sequence_length, "output",
+                             getattr(t, "name", str(i)))
+        if any(word in loss for word in _SPARSE_LOSSES):
+            y_specs.append(tf.TensorSpec(shape[:-1], tf.int32, name=f"y{i}"))
+        else:
+            y_specs.append(tf.TensorSpec(shape, tf.float32, name=f"y{i}"))
+    return x_specs, y_specs
+
+
+def _index_range(model) -> int:
+    """Integer inputs are indices (token ids): keep them below the smallest ``input_dim`` of
+    the model's embedding-like layers, and above 0, which ``mask_zero`` would mask."""
+    sizes = [int(layer.input_dim) for layer in _all_layers(model)
+             if isinstance(getattr(layer, "input_dim", None), int)]
+    return max(min(sizes, default=2), 2)
+
+
+def _all_layers(model):
+    seen, stack = set(), [model]
+    while stack:
+        layer = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        yield layer
+        stack.extend(getattr(layer, "layers", None) or [])
+        stack.extend(getattr(layer, "_layers", None) or [])
+
+
+def synthetic_batch(model, batch_size: int, sequence_length: int | None = None, seed: int = 0):
+    """Random numpy ``(x, y)`` of :func:`batch_specs`: floats normal (targets uniform in
+    [0, 1)), indices in [1, smallest embedding size), class indices below the output's size.
+    One input or output is a single array, several a list."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(seed)
+    x_specs, y_specs = batch_specs(model, batch_size, sequence_length)
+    outputs = list(model.outputs)
+
+    def values(spec, high):
+        dtype = spec.dtype.as_numpy_dtype
+        if spec.dtype.is_integer:
+            return rng.integers(1 if high > 1 else 0, high, size=spec.shape).astype(dtype)
+        return rng.standard_normal(spec.shape).astype(dtype)
+
+    x = [values(spec, _index_range(model)) for spec in x_specs]
+    y = []
+    for spec, out in zip(y_specs, outputs):
+        if spec.dtype.is_integer:
+            y.append(values(spec, max(int(out.shape[-1]), 1)))
+        else:
+            y.append(rng.random(spec.shape).astype(spec.dtype.as_numpy_dtype))
+    return (x[0] if len(x) == 1 else x), (y[0] if len(y) == 1 else y)
+
+
+def explain_model(model, checkpoints: api.Checkpoints = "memory", batch_size: int = 32,
+                  sequence_length: int | None = None, data=None):
+    """:func:`memsave_grads.explain` of one training step of a Keras model.
+
+    Traces the model's forward pass and loss as its ``train_step`` does (nothing runs, no
+    variable changes) for a batch of ``batch_size`` (shapes from :func:`batch_specs`, or the
+    arrays or tensors of ``data=(x, y)``), and explains the gradients of the loss with respect
+    to the trainable weights.
+    """
+    version = keras_version(model)
+    if data is None:
+        x_specs, y_specs = batch_specs(model, batch_size, sequence_length)
+        x_specs = x_specs[0] if len(x_specs) == 1 else x_specs
+        y_specs = y_specs[0] if len(y_specs) == 1 else y_specs
+    else:
+        x, y = data
+        x_specs, y_specs = tf.nest.map_structure(
+            lambda v: tf.TensorSpec.from_tensor(tf.convert_to_tensor(v)), (x, y))
+    from memsave_grads import _explain  # pylint: disable=import-outside-toplevel
+    reports = []
+
+    def trace(x, y):
+        _, loss = _forward_and_loss(model, version, x, y, None)
+        reports.append(_explain.explain(loss, list(model.trainable_weights), checkpoints))
+        return loss
+
+    tf.function(trace, autograph=False).get_concrete_function(x_specs, y_specs)
+    return reports[-1]

@@ -3,6 +3,7 @@
 # throwaway virtual environment, and print one PASS/FAIL line per version.
 #
 #   scripts/test_tf_versions.sh 2.16 2.21          # minor versions: the newest patch of each
+#   scripts/test_tf_versions.sh oldest             # the oldest declared (compat.MIN_TF_VERSION)
 #   TESTS="tests/test_parity.py" scripts/test_tf_versions.sh 2.17.1
 #
 # Environment: VENV_ROOT (default /tmp/memsave-tf-venvs; a venv is reused if present),
@@ -22,9 +23,24 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 export MEMSAVE_GRADS_ALLOW_OLD_TENSORFLOW=1
 
 if [ $# -eq 0 ]; then
-    echo "usage: $0 TF_VERSION... (e.g. 2.16 2.21)" >&2
+    echo "usage: $0 TF_VERSION... (e.g. 2.16 2.21, or oldest)" >&2
     exit 2
 fi
+
+oldest_declared() {  # read from compat.py itself, so the range is stated in one place
+    "$PYTHON" - "$ROOT/memsave_grads/_tf/compat.py" <<'PY'
+import ast, sys
+tree = ast.parse(open(sys.argv[1], encoding="utf-8").read())
+for node in tree.body:
+    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "MIN_TF_VERSION":
+        print("%d.%d" % ast.literal_eval(node.value))
+PY
+}
+
+make_venv() {  # python -m venv, or virtualenv where the interpreter ships without ensurepip
+    "$PYTHON" -m venv "$1" 2>/dev/null ||
+        { "$PYTHON" -m pip install -q virtualenv && "$PYTHON" -m virtualenv -q "$1"; }
+}
 
 spec() {  # 2.16 -> ==2.16.* ; 2.16.1 -> ==2.16.1
     case "$1" in *.*.*) echo "==$1" ;; *) echo "==$1.*" ;; esac
@@ -33,12 +49,13 @@ spec() {  # 2.16 -> ==2.16.* ; 2.16.1 -> ==2.16.1
 failed=0
 summary=()
 for version in "$@"; do
+    [ "$version" = oldest ] && version=$(oldest_declared)
     venv="$VENV_ROOT/tf-$version"
     log="$VENV_ROOT/tf-$version.log"
     mkdir -p "$VENV_ROOT"
     echo "=== TensorFlow $version: $venv (log: $log)"
     {
-        [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
+        [ -x "$venv/bin/python" ] || make_venv "$venv"
         # numpy<2 only where TF predates NumPy 2 support (TF < 2.18).
         numpy_spec="numpy"
         case "$version" in 2.1[0-7]|2.1[0-7].*) numpy_spec="numpy<2" ;; esac
@@ -48,6 +65,7 @@ for version in "$@"; do
         "$venv/bin/pip" install -q --no-deps -e "$ROOT"
     } >"$log" 2>&1
     if [ $? -ne 0 ]; then
+        tail -n 40 "$log"
         summary+=("FAIL $version (install; see $log)")
         failed=1
         continue
@@ -62,6 +80,7 @@ for version in "$@"; do
     if [ $rc -eq 0 ]; then
         summary+=("PASS $version (tensorflow-cpu $installed): $result")
     else
+        tail -n 60 "$log"   # CI keeps only what is printed
         summary+=("FAIL $version (tensorflow-cpu $installed, rc $rc): $result; see $log")
         failed=1
     fi

@@ -2,7 +2,9 @@
 
 Roles:
   mwms TASK OUT      a MultiWorkerMirroredStrategy worker (TF_CONFIG from the environment): runs
-                     the parity checks and the peak measurement, writes its results as JSON to OUT
+                     the parity checks and the peak measurement, writes its results as JSON to OUT;
+                     with MULTI_WORKER_LOGICAL_CPUS=2 it splits its CPU into two logical devices
+                     first (for the placement part, MULTI_WORKER_PARTS=placement)
   server JOB TASK    a tf.distribute.Server of a ParameterServerStrategy cluster (CLUSTER_SPEC
                      from the environment, JSON); serves until it is killed
   ps_chief OUT       the ParameterServerStrategy coordinator: trains with GradientTape and with
@@ -220,8 +222,90 @@ def peak_memory(strategy, task):
     return out
 
 
+def placement(strategy, task):
+    """(d) Two logical CPUs per worker, the layers of each replica alternating between them
+    (model parallelism inside a data-parallel replica): where every forward op, copy and gradient
+    op ran, read from the partition graphs of the executed functions. The records have the shape
+    tests/test_device_placement.py checks in a single process."""
+    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+    depth, width, batch = 8, 16, 4
+    rng = np.random.RandomState(0)
+    init = [(rng.randn(width, width) / np.sqrt(width)).astype(np.float32) for _ in range(depth)]
+    weights, optimizers = {}, {}
+    for which in ("ref", "ours"):
+        with strategy.scope():
+            weights[which] = [tf.Variable(w) for w in init]
+            optimizers[which] = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+    x = tf.constant(rng.randn(batch, width).astype(np.float32) + task)
+    records = {}
+
+    def describe(ops):
+        return {op.name: {"type": op.type, "device": op.device,
+                          "groups": [g.decode() for g in op.colocation_groups()],
+                          "inputs": [t.op.name for t in op.inputs]} for op in ops}
+
+    def replica_step(x, which):
+        graph = tf.compat.v1.get_default_graph()
+        ws = weights[which]
+        h = x
+        for i in range(depth):
+            # Layer 0 on cpu:1, so that an op left without a device (placed on cpu:0) is caught.
+            with tf.device(f"/cpu:{(i + 1) % 2}"), tf.name_scope(f"layer{i}"):
+                h = h + tf.tanh(tf.matmul(h, ws[i]))
+        loss = tf.reduce_sum(tf.square(h), name="loss")
+        forward = list(graph.get_operations())
+        if which == "ref":
+            grads = tf.gradients(loss, ws)   # TF2: always colocated with the forward ops
+        else:
+            grads = mg.gradients(loss, ws, checkpoints="memory",
+                                 colocate_gradients_with_ops=True)
+        records[which] = {"forward": describe(forward),
+                          "ops": describe(op for op in graph.get_operations()
+                                          if op not in set(forward))}
+        # All-reduced across the workers (onto the variables' device), then applied.
+        optimizers[which].apply_gradients(zip(grads, ws))
+        return loss
+
+    # Two functions, so that no graph optimisation can merge our ops with tf.gradients' ones.
+    steps = {which: tf.function(lambda x, which=which: strategy.run(replica_step,
+                                                                    args=(x, which)))
+             for which in ("ref", "ours")}
+    # Grappler off: the partition graphs then hold the ops as built, under their names.
+    options = tf.config.optimizer.get_experimental_options()
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    values, placed = {}, {}
+    try:
+        for which, step in steps.items():
+            context.context().enable_run_metadata()
+            try:
+                step(x)
+                values[which] = [w.numpy().tolist() for w in weights[which]]
+                metadata = context.context().export_run_metadata()
+            finally:
+                context.context().disable_run_metadata()
+            placed[which] = {node.name: node.device for function in metadata.function_graphs
+                             for part in function.partition_graphs for node in part.node}
+    finally:
+        tf.config.optimizer.set_experimental_options(options)
+
+    def with_placement(ops, which):
+        return {name: dict(op, placed=placed[which].get(name, "")) for name, op in ops.items()}
+
+    return {"logical_devices": [d.name for d in tf.config.list_logical_devices("CPU")],
+            "forward": with_placement(records["ours"]["forward"], "ours"),
+            "ref_forward": with_placement(records["ref"]["forward"], "ref"),
+            "ours": with_placement(records["ours"]["ops"], "ours"),
+            "ref": with_placement(records["ref"]["ops"], "ref"),
+            "our_values": values["ours"], "ref_values": values["ref"]}
+
+
 def run_mwms(task, out_path):
     result = {"task": task}
+    if os.environ.get("MULTI_WORKER_LOGICAL_CPUS"):
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        count = int(os.environ["MULTI_WORKER_LOGICAL_CPUS"])
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * count)
     # Small parity models: the never-worse rule would hand them to plain tf.gradients, and the
     # parity checks would compare GradientTape with tf.gradients instead of with the rewrite.
     selection.NEVER_WORSE_RULE = False
@@ -234,11 +318,14 @@ def run_mwms(task, out_path):
     parts = [("peak", lambda: peak_memory(strategy, task)),
              ("custom_loop", lambda: custom_loop_parity(strategy, task)),
              ("fit_tf_keras", lambda: keras_fit_parity(strategy, task, "tf_keras")),
-             ("fit_keras3", lambda: keras_fit_parity(strategy, task, "keras3"))]
+             ("fit_keras3", lambda: keras_fit_parity(strategy, task, "keras3")),
+             ("placement", lambda: placement(strategy, task))]
     # For running parts by hand, in the order given (MULTI_WORKER_PARTS=custom_loop,peak).
     only = os.environ.get("MULTI_WORKER_PARTS")
     if only:
         parts = [(name, dict(parts)[name]) for name in only.split(",")]
+    else:
+        parts = [(name, part) for name, part in parts if name != "placement"]
     for name, part in parts:
         selection.NEVER_WORSE_RULE = False
         start = time.perf_counter()

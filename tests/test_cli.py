@@ -236,7 +236,7 @@ USAGE_ERRORS = [
      "existing folder, got '/no/such/folder/t.md'"),
     (["nonsense"], "argument COMMAND: invalid choice: 'nonsense'"),
     ([], "expected a command, one of demo, benchmark, scaling, explain, budgets, tradeoff, "
-     "solvers; got none"),
+     "fit-limit, solvers; got none"),
 ]
 
 

@@ -18,6 +18,8 @@ import time
 import numpy as np
 import pytest
 
+import test_device_placement as placement_checks   # its record format and op classifiers
+
 pytestmark = pytest.mark.slow
 
 JOB = pathlib.Path(__file__).with_name("multi_worker_job.py")
@@ -85,17 +87,16 @@ def log_tail(paths):
                      for p in paths)
 
 
-@pytest.fixture(scope="module")
-def mwms(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mwms")
+def run_two_workers(tmp, **extra_env):
+    """Two MultiWorkerMirroredStrategy workers of tests/multi_worker_job.py; their results."""
     cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
     outs = [tmp / f"worker{i}.json" for i in range(2)]
     logs = [tmp / f"worker{i}.log" for i in range(2)]
     processes = []
     for i in range(2):
         tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
-        processes.append(start(["mwms", str(i), str(outs[i])], worker_env(TF_CONFIG=tf_config),
-                               logs[i]))
+        processes.append(start(["mwms", str(i), str(outs[i])],
+                               worker_env(TF_CONFIG=tf_config, **extra_env), logs[i]))
     codes = wait_all(processes, MWMS_TIMEOUT_S)
     results = []
     for out in outs:
@@ -104,6 +105,11 @@ def mwms(tmp_path_factory):
     assert codes == [0, 0] and all(r.get("done") for r in results), (
         f"exit codes {codes} (None: killed after {MWMS_TIMEOUT_S} s)\n" + log_tail(logs))
     return results
+
+
+@pytest.fixture(scope="module")
+def mwms(tmp_path_factory):
+    return run_two_workers(tmp_path_factory.mktemp("mwms"))
 
 
 def part(result, name):
@@ -194,3 +200,56 @@ def test_parameter_server_strategy_matches_gradient_tape(parameter_server):
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
     assert want["losses"][-1] < want["losses"][0]
     assert_weights_close(got["weights"], want["weights"])
+
+
+@pytest.fixture(scope="module")
+def placed_workers(tmp_path_factory):
+    """Each worker with two logical CPUs, its replica's layers alternating between them."""
+    results = run_two_workers(tmp_path_factory.mktemp("placement"),
+                              MULTI_WORKER_LOGICAL_CPUS="2", MULTI_WORKER_PARTS="placement")
+    return [part(result, "placement") for result in results]
+
+
+def test_copies_and_gradient_ops_run_where_their_forward_ops_run_on_each_worker(placed_workers):
+    """Issue 13, item 3 under MultiWorkerMirroredStrategy: the single-process checks of
+    tests/test_device_placement.py, on each worker's executed functions (always colocated, as
+    TF2's tf.gradients is)."""
+    for task, case in enumerate(placed_workers):
+        prefix = f"/job:worker/replica:0/task:{task}/device:CPU:"
+        assert len(case["logical_devices"]) >= 2, case["logical_devices"]
+        forward = case["forward"]
+        for i in range(2):   # the layers really run on both devices of this worker
+            for kind in ("MatMul", "Tanh", "add"):
+                op = forward[f"layer{i}/{kind}"]
+                assert op["placed"] == prefix + str((i + 1) % 2), op
+        copies, _, grads = placement_checks._kinds(case)
+        assert len(copies) >= 6, sorted(case["ours"])
+        copy_devices = set()
+        for copy, original in copies.items():
+            mine, theirs = case["ours"][copy], forward[original]
+            assert (mine["type"], mine["device"], mine["groups"]) == (
+                theirs["type"], theirs["device"], theirs["groups"]), (copy, mine, theirs)
+            if mine["placed"]:   # a copy no gradient reads is pruned from the run
+                assert mine["placed"] == theirs["placed"], (copy, mine, theirs)
+                copy_devices.add(mine["placed"])
+        assert copy_devices == {prefix + "0", prefix + "1"}, copy_devices
+        grad_devices = set()
+        for name in grads:
+            op = case["ours"][name]
+            if not op["placed"]:
+                continue
+            owner = placement_checks._forward_of(case, name)
+            if owner is None or not forward[owner]["placed"]:
+                # Ops of the all-reduce and of the sum of partials have no forward op of the
+                # replica: they must still stay on this worker.
+                assert op["placed"].startswith(prefix), (name, op)
+                continue
+            assert op["placed"] == forward[owner]["placed"], (name, op, owner)
+            grad_devices.add(op["placed"])
+        assert grad_devices == {prefix + "0", prefix + "1"}, grad_devices
+        # tf.gradients' own ops sit on both devices too: the comparison has teeth.
+        ref_devices = {op["placed"] for op in case["ref"].values() if op["placed"]}
+        assert {prefix + "0", prefix + "1"} <= ref_devices, ref_devices
+        for got, want in zip(case["our_values"], case["ref_values"], strict=True):
+            want = np.asarray(want)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -18,6 +18,7 @@ from absl import logging
 
 from memsave_grads import _explain as explain_lib
 from memsave_grads import measure
+from memsave_grads.bench import fit_limit
 from memsave_grads.bench import harness
 from memsave_grads.bench import models
 from memsave_grads.bench import solvers as bench_solvers
@@ -184,7 +185,19 @@ def _plot_scaling(points, path: str) -> None:
 
 
 def explain(args: argparse.Namespace) -> int:
-    """``explain``: print the plan of each selected model (graphs only)."""
+    """``explain``: print the plan of each selected model (graphs only), or of --model."""
+    if args.model:
+        kind, model, _ = fit_limit.build(args.model, args.batch, args.sequence_length)
+        if kind != "keras":
+            logging.error("explain --model needs a Keras model; %s returned a training step. "
+                          "Call memsave_grads.explain(loss, variables) inside the step "
+                          "instead.", args.model)
+            return 1
+        report = explain_lib.explain(model, checkpoints=args.checkpoints,
+                                     batch_size=args.batch,
+                                     sequence_length=args.sequence_length)
+        print(f"## {args.model} ({getattr(model, 'name', '')}, batch {args.batch})\n{report}\n")
+        return 0
     for spec in models.select(models.benchmark_models(), args.models):
         with tf.Graph().as_default():
             loss, variables = spec.build()
@@ -242,6 +255,37 @@ def solvers_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def fit_limit_command(args: argparse.Namespace) -> int:
+    """``fit-limit``: the largest size per method under the limit; table (+ PNG)."""
+    methods = [fit_limit.PLAIN, *args.checkpoints]
+    if args.keras_remat:
+        methods.append(fit_limit.KERAS_REMAT)
+    dimension = "batch" if args.vary == "batch" else "sequence length"
+    searches = []
+    for method in methods:
+        logging.info("%s: searching from %s %d ...", method, dimension, args.start)
+
+        def try_size(size, method=method):
+            if args.vary == "batch":
+                return fit_limit.attempt(args.model, method, size, args.limit_mib,
+                                         steps=args.steps)
+            return fit_limit.attempt(args.model, method, args.batch, args.limit_mib,
+                                     sequence_length=size, steps=args.steps)
+
+        searches.append(fit_limit.search(
+            method, try_size, args.start, args.max,
+            on_attempt=lambda a: logging.info("%s", fit_limit.progress_line(a, dimension))))
+    fixed = f", batch {args.batch}" if args.vary == "sequence" else ""
+    title = f"{args.model}: limit {args.limit_mib} MiB{fixed}"
+    _write(args, f"{title}\n\n{fit_limit.table(searches, dimension, args.limit_mib)}\n\n"
+           f"{fit_limit.TABLE_NOTES}", "How much larger: memsave_grads fit-limit")
+    if args.plot:
+        fit_limit.plot(searches, dimension, args.limit_mib, args.plot, title)
+        logging.info("wrote %s", args.plot)
+    return 0 if all(s.largest is not None or not s.failure for s in searches) else 1
+
+
 #: Subcommand name -> its function (the parser in memsave_grads.cli has one subparser each).
 COMMANDS = {"demo": demo, "benchmark": benchmark, "scaling": scaling, "explain": explain,
-            "budgets": budgets, "tradeoff": tradeoff, "solvers": solvers_command}
+            "budgets": budgets, "tradeoff": tradeoff, "fit-limit": fit_limit_command,
+            "solvers": solvers_command}

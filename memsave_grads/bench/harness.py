@@ -34,6 +34,7 @@ from memsave_grads._tf import graph as tf_graph
 from memsave_grads import errors
 from memsave_grads import _explain as explain_lib
 from memsave_grads import measure
+from memsave_grads.bench import tables
 from memsave_grads.bench.models import ModelSpec
 from memsave_grads.patching import original_gradients
 
@@ -229,8 +230,8 @@ def measure_model(spec: ModelSpec, methods: Sequence[Method] = DEFAULT_METHODS,
             logging.info("%s / %s: %d ops, peak %s MiB, median step %s ms, "
                          "max rel grad err %s (gradients built in %.1f s)",
                          spec.name, methods[i].label, results[i].graph_ops,
-                         _number(results[i].peak_bytes / measure.MIB),
-                         _number(results[i].median_seconds * 1e3),
+                         tables.number(results[i].peak_bytes / measure.MIB),
+                         tables.number(results[i].median_seconds * 1e3),
                          _format_error(results[i].max_rel_error), results[i].build_seconds)
     return results
 
@@ -282,7 +283,7 @@ def format_prediction(result: Result) -> str:
     if result.predicted_peak_bytes is None or not result.peak_bytes:
         return "-"
     error = (result.predicted_peak_bytes - result.peak_bytes) / result.peak_bytes
-    return f"{_number(result.predicted_peak_bytes / measure.MIB)} ({error:+.0%})"
+    return f"{tables.number(result.predicted_peak_bytes / measure.MIB)} ({error:+.0%})"
 
 
 def format_time_ratio(reference_s: float | None, seconds: float | None) -> str:
@@ -292,17 +293,6 @@ def format_time_ratio(reference_s: float | None, seconds: float | None) -> str:
     return f"{seconds / reference_s:.2f}x"
 
 
-def _number(value: float) -> str:
-    """Three significant digits or so: 1234, 123, 12.3, 1.23, 0.123."""
-    if value >= 100:
-        return f"{value:.0f}"
-    if value >= 10:
-        return f"{value:.1f}"
-    if value >= 1:
-        return f"{value:.2f}"
-    return f"{value:.3f}"
-
-
 def _cells(result: Result, reference: Result) -> list[str]:
     if result.skipped is not None:
         reason = result.skipped.replace("|", "/")
@@ -310,24 +300,17 @@ def _cells(result: Result, reference: Result) -> list[str]:
     if result.failed is not None:
         reason = result.failed.replace("|", "/")
         return [f"error ({reason})", "-", "-", "-", "-", "-"]
-    return [_number(result.peak_bytes / measure.MIB), format_prediction(result),
+    return [tables.number(result.peak_bytes / measure.MIB), format_prediction(result),
             format_peak_ratio(reference.peak_bytes, result.peak_bytes),
-            _number(result.median_seconds * 1e3),
+            tables.number(result.median_seconds * 1e3),
             format_time_ratio(reference.median_seconds, result.median_seconds),
             "-" if result.method.is_reference else _format_error(result.max_rel_error)]
-
-
-def _table(header: Sequence[str], align: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def demo_table(results: Sequence[Result]) -> str:
     """The demo's table: method | peak MiB | vs tf.gradients | median step ms | ..."""
     reference = results[0]
-    return _table(
+    return tables.markdown_table(
         ["method", "peak MiB", "predicted MiB", "vs tf.gradients", "median step ms",
          "time ratio", "max rel grad err"], "lrrrrrr",
         [[r.method.label, *_cells(r, reference)] for r in results])
@@ -336,16 +319,16 @@ def demo_table(results: Sequence[Result]) -> str:
 def scaling_table(points: Sequence[tuple[int, float, float]], peak_ratios: Sequence[str]) -> str:
     """``memsave-grads scaling``'s peak table: one row per (depth, tf.gradients MiB, 'memory'
     MiB), with the peak ratio and the 'memory' peak over sqrt(depth) (flat under sqrt growth)."""
-    rows = [[str(depth), _number(plain_mib), _number(ours_mib), ratio,
+    rows = [[str(depth), tables.number(plain_mib), tables.number(ours_mib), ratio,
              f"{ours_mib / (depth ** 0.5):.2f}"]
             for (depth, plain_mib, ours_mib), ratio in zip(points, peak_ratios)]
-    return _table(["depth", "tf.gradients peak MiB", "'memory' peak MiB", "ratio",
+    return tables.markdown_table(["depth", "tf.gradients peak MiB", "'memory' peak MiB", "ratio",
                    "'memory' MiB / sqrt(depth)"], "rrrrr", rows)
 
 
 def build_time_table(rows: Sequence[tuple[str, int, float, float]]) -> str:
     """Graph construction seconds per (graph, forward ops, tf.gradients s, 'memory' s)."""
-    return _table(["graph", "ops before gradients", "tf.gradients s", "'memory' s", "ratio"],
+    return tables.markdown_table(["graph", "ops before gradients", "tf.gradients s", "'memory' s", "ratio"],
                   "lrrrr", [[name, str(forward_ops), f"{plain:.2f}", f"{ours:.2f}",
                              f"{ours / plain:.2f}x"]
                             for name, forward_ops, plain, ours in rows])
@@ -359,10 +342,10 @@ def benchmark_table(results_per_model: Sequence[Sequence[Result]]) -> str:
         for r in results:
             ops = "-" if r.graph_ops is None else str(r.graph_ops)
             build = ("-" if r.build_seconds is None else
-                     f"{_number(r.build_seconds)} s "
+                     f"{tables.number(r.build_seconds)} s "
                      f"({format_time_ratio(reference.build_seconds, r.build_seconds)})")
             rows.append([r.model, ops, r.method.label, *_cells(r, reference), build])
-    return _table(
+    return tables.markdown_table(
         ["model", "graph ops", "method", "peak MiB", "predicted MiB", "peak ratio",
          "median step ms", "time ratio", "max rel grad err", "build (ratio)"], "lrlrrrrrrr",
         rows)
@@ -424,15 +407,15 @@ def budget_table(results_per_model: Sequence[Sequence[Result]]) -> str:
                 continue
             verdict = "yes" if result.peak_bytes <= 1.05 * budget else "**no**"
             rows.append([
-                result.model, f"{fraction:.0%}", _number(budget / measure.MIB),
-                f"{_number(result.peak_bytes / measure.MIB)} ({result.peak_bytes / budget:.2f})",
+                result.model, f"{fraction:.0%}", tables.number(budget / measure.MIB),
+                f"{tables.number(result.peak_bytes / measure.MIB)} ({result.peak_bytes / budget:.2f})",
                 verdict, format_prediction(result),
                 format_time_ratio(reference.median_seconds, result.median_seconds),
                 f"{result.build_seconds:.2f} s" if result.build_seconds else "-"])
     header = ["model", "budget", "budget MiB (of measured tf.gradients)",
               "measured peak MiB (x budget)", "<= budget +5%", "predicted MiB",
               "step time vs tf.gradients", "plan + rewrite"]
-    return _table(header, ["l", "r", "r", "r", "l", "r", "r", "r"], rows)
+    return tables.markdown_table(header, ["l", "r", "r", "r", "l", "r", "r", "r"], rows)
 
 
 BUDGET_NOTES = (
@@ -450,14 +433,14 @@ def tradeoff_table(name: str, front, forward_flops: float, plain_bytes: int,
              "| predicted peak MiB | x less than tf.gradients | recomputed FLOPs (of forward) |",
              "|---:|---:|---:|"]
     for plan in front:
-        lines.append(f"| {_number(plan.predicted_peak_bytes / measure.MIB)} | "
+        lines.append(f"| {tables.number(plan.predicted_peak_bytes / measure.MIB)} | "
                      f"{plain_bytes / max(plan.predicted_peak_bytes, 1):.2f}x | "
                      f"{plan.recompute_cost / forward_flops:.0%} |")
     lines += ["", "Measured:", "",
               "| method | measured peak MiB | step time vs tf.gradients |", "|---|---:|---:|"]
     reference = measured[0]
     for result in measured:
-        peak = _number(result.peak_bytes / measure.MIB) if result.peak_bytes else "-"
+        peak = tables.number(result.peak_bytes / measure.MIB) if result.peak_bytes else "-"
         lines.append(f"| {result.method.label} | {peak} | "
                      f"{format_time_ratio(reference.median_seconds, result.median_seconds)} |")
     return "\n".join(lines)

@@ -30,7 +30,8 @@ from absl import logging
 
 from memsave_grads import api
 from memsave_grads import measure as measure_lib
-from memsave_grads.bench.harness import PEAK_RUNS, _number, _table
+from memsave_grads.bench import tables
+from memsave_grads.bench.harness import PEAK_RUNS
 from memsave_grads.bench.models import XlaSpec
 from memsave_grads.patching import original_gradients
 
@@ -299,11 +300,11 @@ def _measure_here(request: dict, learning_rate: float = 1e-4) -> dict:
 
 
 def _mib(value: int | None) -> str:
-    return "-" if value is None else _number(value / measure_lib.MIB)
+    return "-" if value is None else tables.number(value / measure_lib.MIB)
 
 
 def _ms(value: float | None) -> str:
-    return "-" if value is None else _number(value * 1e3)
+    return "-" if value is None else tables.number(value * 1e3)
 
 
 def _ratio(numerator, denominator) -> str:
@@ -332,7 +333,7 @@ def table(results_per_model: Sequence[Sequence[XlaResult]]) -> str:
     for label in ("", " XLA"):
         header += [f"peak MiB{label}", f"peak ratio{label}", f"step ms{label}",
                    f"time ratio{label}", f"grad err{label}"]
-    return _table(header, "ll" + "rrrrr" * 2, rows)
+    return tables.markdown_table(header, "ll" + "rrrrr" * 2, rows)
 
 
 TABLE_NOTES = (

@@ -1,0 +1,377 @@
+"""``fit-limit``: the largest batch (or sequence length) of *your* model that trains within a
+memory limit, with plain ``tf.gradients`` and with each memsave_grads strategy.
+
+The question a user brings is not "how many MiB" but "how much larger can I train". This
+module answers it the only honest way: it tries. Every try is one fresh process
+(``python -m memsave_grads.bench.fit_limit REQUEST``) whose allocator is capped before
+TensorFlow starts: on CPU with ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` (the BFC allocator then refuses
+what would pass the limit), on a GPU with a logical device of that ``memory_limit``. The try
+loads the model, runs one step to trace it and one or more measured steps; it fits when no
+step ran out of memory. A search doubles the size from ``start`` until a try fails, then
+bisects between the last size that fit and the first that did not.
+
+What a model is (:func:`describe_source`):
+
+- a ``.keras`` (or ``.h5``) file saved after ``compile()``: Keras 3 loads it;
+- a SavedModel folder written by tf_keras ``model.save(folder)``: tf_keras loads it;
+- ``module:function`` or ``path/to/file.py:function``: called as ``function(batch_size)``
+  (with ``--vary sequence``: ``function(batch_size, sequence_length)``), it returns a compiled
+  Keras model (its data is made up from its input and output shapes, see
+  :func:`memsave_grads.keras.synthetic_batch`), a ``(model, (x, y))`` pair with your data,
+  or a no-argument training-step callable (a ``tf.function`` that computes its gradients with
+  ``tf.gradients``; memsave_grads reaches it through :func:`memsave_grads.patch`).
+
+Methods: ``tf.gradients`` (Keras' own ``train_on_batch``, or the step unpatched), one per
+``--checkpoints`` strategy (Keras: :func:`memsave_grads.wrap_model`; a step: ``patch``), and
+for Keras 3 models ``keras.RematScope`` (Keras' own rematerialisation, the model built or
+loaded inside ``RematScope(mode="full")``, trained by Keras' own step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Sequence
+
+from memsave_grads.bench import tables
+
+#: The reference method's name, and Keras 3's own rematerialisation.
+PLAIN = "tf.gradients"
+KERAS_REMAT = "keras.RematScope"
+#: The allocator cap on CPU, read once when TensorFlow's CPU allocator starts.
+CPU_LIMIT_ENV = "TF_CPU_BFC_MEM_LIMIT_IN_MB"
+#: What a try prints before its JSON result (the rest of its stdout is the model's own).
+RESULT_PREFIX = "FIT_LIMIT_RESULT "
+_MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One try: ``fits`` unless it ran out of memory (``error`` says how) or failed."""
+
+    method: str
+    size: int
+    fits: bool
+    peak_bytes: int | None = None
+    step_seconds: float | None = None
+    error: str = ""
+    out_of_memory: bool = False
+
+    @property
+    def seconds_per_sample(self) -> float | None:
+        return None if self.step_seconds is None else self.step_seconds / self.size
+
+
+@dataclasses.dataclass
+class Search:
+    """All tries of one method; ``largest`` is the largest size that fit (None: not even
+    ``start``)."""
+
+    method: str
+    attempts: list = dataclasses.field(default_factory=list)
+
+    @property
+    def largest(self) -> Attempt | None:
+        fitting = [a for a in self.attempts if a.fits]
+        return max(fitting, key=lambda a: a.size) if fitting else None
+
+    @property
+    def failure(self) -> str:
+        """Why the search stopped where it did (the first non-memory failure, if any)."""
+        broken = [a for a in self.attempts if not a.fits and not a.out_of_memory]
+        return broken[0].error if broken else ""
+
+
+# --------------------------------------------------------------------------------------------
+# The model argument (checked by the command line before TensorFlow is imported)
+# --------------------------------------------------------------------------------------------
+
+def describe_source(source: str) -> str:
+    """``"keras file"``, ``"saved model"`` or ``"function"``; ValueError saying what a model
+    argument may be, for anything else."""
+    if os.path.isfile(source) and source.endswith((".keras", ".h5")):
+        return "keras file"
+    if os.path.isdir(source) and os.path.isfile(os.path.join(source, "saved_model.pb")):
+        return "saved model"
+    module, sep, function = source.rpartition(":")
+    if sep and module and function.isidentifier():
+        if module.endswith(".py"):
+            if os.path.isfile(module):
+                return "function"
+            raise ValueError(f"{module} does not exist (from {source!r})")
+        if all(part.isidentifier() for part in module.split(".")):
+            return "function"
+    raise ValueError(
+        f"expected a .keras/.h5 file, a SavedModel folder (saved by tf_keras), or "
+        f"module:function / path/to/file.py:function returning a model; got {source!r}")
+
+
+def _load_function(source: str) -> Callable:
+    module_name, _, function_name = source.rpartition(":")
+    if module_name.endswith(".py"):
+        spec = importlib.util.spec_from_file_location("_fit_limit_user_module", module_name)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(module_name)))
+        spec.loader.exec_module(module)
+    else:
+        sys.path.insert(0, os.getcwd())
+        module = importlib.import_module(module_name)
+    return getattr(module, function_name)
+
+
+# --------------------------------------------------------------------------------------------
+# One try, in the child process
+# --------------------------------------------------------------------------------------------
+
+def _cap_gpu(limit_mib: int) -> None:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        tf.config.set_logical_device_configuration(
+            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mib)])
+
+
+def build(source: str, batch: int, sequence: int | None = None):
+    """What the model argument gives, built for one size: ("keras", model, (x, y)) or
+    ("step", step, None)."""
+    from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
+    kind = describe_source(source)
+    if kind == "keras file":
+        import keras  # pylint: disable=import-outside-toplevel
+        built = keras.saving.load_model(source)
+    elif kind == "saved model":
+        import tf_keras  # pylint: disable=import-outside-toplevel
+        built = tf_keras.models.load_model(source)
+    else:
+        function = _load_function(source)
+        kwargs = {"sequence_length": sequence} if sequence is not None else {}
+        if "batch_size" in inspect.signature(function).parameters:
+            built = function(batch_size=batch, **kwargs)
+        else:
+            built = function(batch, **kwargs)
+    if callable(built) and not hasattr(built, "trainable_weights"):
+        return "step", built, None
+    model, data = (built if isinstance(built, tuple) else (built, None))
+    keras_lib.keras_version(model)   # our error for anything else
+    if data is None:
+        data = keras_lib.synthetic_batch(model, batch, sequence)
+    return "keras", model, data
+
+
+def _counting_rewrites():
+    """Counts the calls that reach memsave_grads, so that a method is never reported as
+    memsave_grads' when its gradients never came through it."""
+    from memsave_grads import api  # pylint: disable=import-outside-toplevel
+    calls = [0]
+    real = api.gradients_or_fallback
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    api.gradients_or_fallback = counting
+    return calls
+
+
+def _try_here(request: dict) -> dict:
+    """The child's side of :func:`attempt`: build, trace, measure; a dict of the result."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    import memsave_grads as mg  # pylint: disable=import-outside-toplevel
+    from memsave_grads import measure  # pylint: disable=import-outside-toplevel
+    _cap_gpu(request["limit_mib"])
+    method = request["method"]
+    device = measure.default_device()
+    calls = _counting_rewrites()
+    patched = False
+    try:
+        arguments = (request["source"], request["batch_size"], request.get("sequence_length"))
+        if method == KERAS_REMAT:
+            import keras  # pylint: disable=import-outside-toplevel
+            with keras.RematScope(mode="full"):
+                kind, target, data = build(*arguments)
+        else:
+            kind, target, data = build(*arguments)
+        if kind == "keras":
+            if method not in (PLAIN, KERAS_REMAT):
+                mg.wrap_model(target, checkpoints=method, fallback="warn")
+            x, y = data
+
+            def run():
+                return target.train_on_batch(x, y)
+        else:
+            if method == KERAS_REMAT:
+                return {"fits": False, "error": "keras.RematScope applies to Keras models only"}
+            if method != PLAIN:
+                mg.patch(method)
+                patched = True
+            run = target
+        run()   # trace and warm up: the measured steps allocate only what they use
+        if method not in (PLAIN, KERAS_REMAT) and calls[0] == 0:
+            return {"fits": False, "error": (
+                "the step never called tf.gradients, so memsave_grads never saw it "
+                "(patch() does not reach tf.GradientTape: call tf.gradients or "
+                "memsave_grads.gradients in the step)")}
+        peaks, seconds = [], []
+        for _ in range(request["steps"]):
+            tf.config.experimental.reset_memory_stats(device)
+            start = time.perf_counter()
+            result = run()
+            _ = [float(v) for v in tf.nest.flatten(result) if hasattr(v, "__float__")]
+            seconds.append(time.perf_counter() - start)
+            peaks.append(tf.config.experimental.get_memory_info(device)["peak"])
+    except tf.errors.ResourceExhaustedError as e:
+        lines = str(e).strip().splitlines() or ["out of memory"]
+        line = next((x for x in lines if "OOM" in x), lines[0])
+        return {"fits": False, "out_of_memory": True, "error": line.strip()[:300]}
+    except Exception as e:  # pylint: disable=broad-except  # reported as this try's failure
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        return {"fits": False, "error": f"{type(e).__name__}: {first_line}"[:300]}
+    finally:
+        if patched:
+            mg.unpatch()
+    seconds.sort()
+    return {"fits": True, "peak_bytes": max(peaks), "step_seconds": seconds[len(seconds) // 2]}
+
+
+def attempt(source: str, method: str, batch_size: int, limit_mib: int,
+            sequence_length: int | None = None, steps: int = 3,
+            timeout_s: float = 1800) -> Attempt:
+    """One try in a fresh process under the memory cap (see the module's docstring)."""
+    request = {"source": source, "method": method, "batch_size": batch_size,
+               "sequence_length": sequence_length, "limit_mib": limit_mib, "steps": steps}
+    size = batch_size if sequence_length is None else sequence_length
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", **{CPU_LIMIT_ENV: str(limit_mib)})
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(request)], env=env,
+                              capture_output=True, text=True, check=False, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return Attempt(method, size, False, error=f"ran past {timeout_s:.0f} s")
+    lines = [line[len(RESULT_PREFIX):] for line in proc.stdout.splitlines()
+             if line.startswith(RESULT_PREFIX)]
+    if not lines:
+        tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        # A process the allocator could not serve may also die outright.
+        out_of_memory = "OOM" in proc.stderr or "out of memory" in proc.stderr.lower()
+        return Attempt(method, size, False, error=tail[:300], out_of_memory=out_of_memory)
+    return Attempt(method, size, **json.loads(lines[-1]))
+
+
+def search(method: str, try_size: Callable[[int], Attempt], start: int, maximum: int,
+           on_attempt: Callable[[Attempt], None] = lambda a: None,
+           precision: float = 1 / 16) -> Search:
+    """Double from ``start`` while tries fit (up to ``maximum``), then bisect between the last
+    size that fit and the first that did not, until they are ``precision`` apart (relative,
+    at least 1). Stops at the first failure that is not running out of memory."""
+    result = Search(method)
+
+    def run(size: int) -> Attempt:
+        outcome = try_size(size)
+        result.attempts.append(outcome)
+        on_attempt(outcome)
+        return outcome
+
+    fit, failed, size = 0, None, start
+    while size <= maximum:
+        outcome = run(size)
+        if not outcome.fits:
+            if not outcome.out_of_memory:
+                return result
+            failed = size
+            break
+        fit, size = size, size * 2
+    if failed is None:
+        return result   # fits at maximum, or start > maximum
+    while failed - fit > max(1, int(fit * precision)):
+        size = (fit + failed) // 2
+        outcome = run(size)
+        if outcome.fits:
+            fit = size
+        elif outcome.out_of_memory:
+            failed = size
+        else:
+            return result
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+def progress_line(attempt_: Attempt, dimension: str) -> str:
+    if attempt_.fits:
+        return (f"{attempt_.method}: {dimension} {attempt_.size} fits, peak "
+                f"{attempt_.peak_bytes / _MIB:.1f} MiB, {attempt_.step_seconds * 1e3:.0f} ms "
+                "per step")
+    what = "out of memory" if attempt_.out_of_memory else "failed"
+    return f"{attempt_.method}: {dimension} {attempt_.size} {what}: {attempt_.error[:160]}"
+
+
+def table(searches: Sequence[Search], dimension: str, limit_mib: int) -> str:
+    """One row per method: the largest size that fit, against tf.gradients'."""
+    reference = next((s.largest for s in searches if s.method == PLAIN), None)
+    rows = []
+    for s in searches:
+        best = s.largest
+        if best is None:
+            why = s.failure or (f"does not fit at {dimension} {s.attempts[0].size}"
+                                if s.attempts else "not tried")
+            rows.append([s.method, "-", "-", "-", "-", "-", why[:80]])
+            continue
+        ratio = "-" if reference is None else f"{best.size / reference.size:.2f}x"
+        time_ratio = "-" if reference is None else (
+            f"{best.seconds_per_sample / reference.seconds_per_sample:.2f}x")
+        topped = not any(not a.fits for a in s.attempts)
+        rows.append([s.method, f"{'>= ' if topped else ''}{best.size}", ratio,
+                     tables.number(best.seconds_per_sample * 1e3), time_ratio,
+                     tables.number(best.peak_bytes / _MIB), s.failure[:80]])
+    return tables.markdown_table(
+        ["method", f"largest {dimension}", f"vs {PLAIN}", "ms per sample",
+         "time per sample ratio", f"peak MiB (limit {limit_mib})", "note"],
+        "lrrrrrl", rows)
+
+
+TABLE_NOTES = (
+    "Each try is a fresh process with its allocator capped at the limit (CPU: "
+    f"{CPU_LIMIT_ENV}; GPU: a logical device's memory_limit); it fits when one traced step "
+    "and the measured steps ran without running out of memory. largest: the largest size that "
+    "fit (the search doubles, then bisects to within 1/16); '>=' where it still fit at "
+    "--max. ms per sample: the median measured step at that size over its examples. peak: "
+    "the allocator's peak during a measured step, weights and optimizer state included.")
+
+
+def plot(searches: Sequence[Search], dimension: str, limit_mib: int, path: str,
+         title: str) -> None:
+    """Peak memory against size, every try that fit, one line per method, the limit drawn."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    from matplotlib import pyplot  # pylint: disable=import-outside-toplevel
+    figure, axes = pyplot.subplots(figsize=(6.5, 4))
+    for s in searches:
+        fitting = sorted((a for a in s.attempts if a.fits), key=lambda a: a.size)
+        if fitting:
+            line, = axes.plot([a.size for a in fitting],
+                              [a.peak_bytes / _MIB for a in fitting], "o-",
+                              label=f"{s.method} (largest {fitting[-1].size})")
+            failed = [a.size for a in s.attempts if a.out_of_memory]
+            if failed:
+                axes.plot(failed, [limit_mib] * len(failed), "x", color=line.get_color())
+    axes.axhline(limit_mib, color="gray", linestyle=":", label=f"limit {limit_mib} MiB")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel(f"{dimension} (x: out of memory)")
+    axes.set_ylabel("peak memory of a training step (MiB)")
+    axes.set_title(title)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    print(RESULT_PREFIX + json.dumps(_try_here(json.loads(sys.argv[1]))), flush=True)
