@@ -160,7 +160,8 @@ def _names(names, limit: int = 6) -> str:
 
 def _is_keras_model(value) -> bool:
     """A Keras 2 or 3 model, told by its class's modules (imports no Keras)."""
-    modules = [getattr(cls, "__module__", "") or "" for cls in type(value).__mro__]
+    from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
+    modules = keras_lib._class_modules(value)  # pylint: disable=protected-access
     return any(m.split(".")[0] in ("keras", "tf_keras") for m in modules) and hasattr(
         value, "trainable_weights")
 

@@ -40,6 +40,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
+from memsave_grads import measure
 from memsave_grads.bench import tables
 
 #: The reference method's name, and Keras 3's own rematerialisation.
@@ -49,7 +50,6 @@ KERAS_REMAT = "keras.RematScope"
 CPU_LIMIT_ENV = "TF_CPU_BFC_MEM_LIMIT_IN_MB"
 #: What a try prints before its JSON result (the rest of its stdout is the model's own).
 RESULT_PREFIX = "FIT_LIMIT_RESULT "
-_MIB = 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +184,6 @@ def _try_here(request: dict) -> dict:
     """The child's side of :func:`attempt`: build, trace, measure; a dict of the result."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import memsave_grads as mg  # pylint: disable=import-outside-toplevel
-    from memsave_grads import measure  # pylint: disable=import-outside-toplevel
     _cap_gpu(request["limit_mib"])
     method = request["method"]
     device = measure.default_device()
@@ -308,7 +307,7 @@ def search(method: str, try_size: Callable[[int], Attempt], start: int, maximum:
 def progress_line(attempt_: Attempt, dimension: str) -> str:
     if attempt_.fits:
         return (f"{attempt_.method}: {dimension} {attempt_.size} fits, peak "
-                f"{attempt_.peak_bytes / _MIB:.1f} MiB, {attempt_.step_seconds * 1e3:.0f} ms "
+                f"{attempt_.peak_bytes / measure.MIB:.1f} MiB, {attempt_.step_seconds * 1e3:.0f} ms "
                 "per step")
     what = "out of memory" if attempt_.out_of_memory else "failed"
     return f"{attempt_.method}: {dimension} {attempt_.size} {what}: {attempt_.error[:160]}"
@@ -331,7 +330,7 @@ def table(searches: Sequence[Search], dimension: str, limit_mib: int) -> str:
         topped = not any(not a.fits for a in s.attempts)
         rows.append([s.method, f"{'>= ' if topped else ''}{best.size}", ratio,
                      tables.number(best.seconds_per_sample * 1e3), time_ratio,
-                     tables.number(best.peak_bytes / _MIB), s.failure[:80]])
+                     tables.number(best.peak_bytes / measure.MIB), s.failure[:80]])
     return tables.markdown_table(
         ["method", f"largest {dimension}", f"vs {PLAIN}", "ms per sample",
          "time per sample ratio", f"peak MiB (limit {limit_mib})", "note"],
@@ -358,7 +357,7 @@ def plot(searches: Sequence[Search], dimension: str, limit_mib: int, path: str,
         fitting = sorted((a for a in s.attempts if a.fits), key=lambda a: a.size)
         if fitting:
             line, = axes.plot([a.size for a in fitting],
-                              [a.peak_bytes / _MIB for a in fitting], "o-",
+                              [a.peak_bytes / measure.MIB for a in fitting], "o-",
                               label=f"{s.method} (largest {fitting[-1].size})")
             failed = [a.size for a in s.attempts if a.out_of_memory]
             if failed:

@@ -1,0 +1,80 @@
+"""fit-limit's search and model argument (memsave_grads/bench/fit_limit.py), and
+explain(model) for Keras models: the parts that run without a child process."""
+
+import keras
+import pytest
+
+import memsave_grads as mg
+from memsave_grads.bench import fit_limit
+
+
+def _fake(limit):
+    """A try that fits up to ``limit`` and runs out of memory above it."""
+    def try_size(size):
+        if size <= limit:
+            return fit_limit.Attempt("m", size, True, peak_bytes=size, step_seconds=0.1 * size)
+        return fit_limit.Attempt("m", size, False, error="OOM", out_of_memory=True)
+    return try_size
+
+
+@pytest.mark.parametrize("limit", [1, 7, 8, 100, 1000])
+def test_search_finds_the_largest_size_within_its_precision(limit):
+    found = fit_limit.search("m", _fake(limit), start=1, maximum=4096)
+    best = found.largest.size
+    assert best <= limit and limit - best <= max(1, best // 16), (best, limit)
+    assert all(a.size >= 1 for a in found.attempts)
+
+
+def test_search_stops_at_a_failure_that_is_not_memory():
+    def broken(size):
+        return fit_limit.Attempt("m", size, False, error="ValueError: bad model")
+    found = fit_limit.search("m", broken, start=8, maximum=64)
+    assert found.largest is None and found.failure == "ValueError: bad model"
+    assert "ValueError" in fit_limit.table([found], "batch", 100)
+
+
+def test_the_table_compares_with_tf_gradients():
+    plain = fit_limit.search(fit_limit.PLAIN, _fake(10), 1, 4096)
+    ours = fit_limit.search("memory", _fake(40), 1, 4096)
+    text = fit_limit.table([plain, ours], "batch", 100)
+    ratio = ours.largest.size / plain.largest.size
+    assert f"{ratio:.2f}x" in text
+
+
+def test_a_bad_model_argument_says_what_it_may_be(tmp_path):
+    for bad in ["nothing_here", str(tmp_path / "missing.py") + ":f", "a b:c"]:
+        with pytest.raises(ValueError, match="expected a .keras"if ".py" not in bad else
+                           "does not exist"):
+            fit_limit.describe_source(bad)
+    assert fit_limit.describe_source("my.module:build") == "function"
+
+
+def _classifier():
+    inputs = keras.Input((16,))
+    h = inputs
+    for _ in range(8):
+        h = h + keras.layers.Dense(16, activation="tanh")(h)
+    model = keras.Model(inputs, keras.layers.Dense(5)(h))
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_explain_model_plans_the_training_step_without_running_it():
+    model = _classifier()
+    before = [w.numpy().copy() for w in model.trainable_weights]
+    report = mg.explain(model, checkpoints="memory", batch_size=64)
+    assert report.forward_ops > 0 and report.predicted_peak_bytes < report.predicted_plain_peak_bytes
+    assert all((w.numpy() == b).all() for w, b in zip(model.trainable_weights, before))
+    x, y = mg.keras.synthetic_batch(model, 4)
+    assert x.shape == (4, 16) and y.shape == (4,) and y.max() < 5
+    model.train_on_batch(x, y)   # the made-up batch trains
+
+
+def test_explain_model_refuses_bad_input():
+    model = _classifier()
+    with pytest.raises(mg.InvalidTypeError, match="batch_size"):
+        mg.explain(model, batch_size="64")
+    with pytest.raises(mg.InvalidArgumentError, match="batch_size"):
+        mg.explain(model, batch_size=0)
+    with pytest.raises(mg.InvalidArgumentError, match="xs"):
+        mg.explain(model, model.trainable_weights)
