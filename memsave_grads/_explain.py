@@ -194,8 +194,9 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
                 "the variables instead of the model).")
         from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
         _validate_batch_size(batch_size)
-        return keras_lib.explain_model(ys, checkpoints, batch_size=batch_size,
-                                       sequence_length=sequence_length, data=data)
+        return keras_lib.trace_training_step(
+            ys, lambda loss, weights: explain(loss, weights, checkpoints),
+            batch_size=batch_size, sequence_length=sequence_length, data=data)
     if xs is None:
         raise errors.InvalidArgumentError(
             "xs: expected the tensors or variables to differentiate with respect to (or a "

@@ -469,14 +469,15 @@ def synthetic_batch(model, batch_size: int, sequence_length: int | None = None, 
     return (x[0] if len(x) == 1 else x), (y[0] if len(y) == 1 else y)
 
 
-def explain_model(model, checkpoints: api.Checkpoints = "memory", batch_size: int = 32,
-                  sequence_length: int | None = None, data=None):
-    """:func:`memsave_grads.explain` of one training step of a Keras model.
+def trace_training_step(model, on_loss, batch_size: int = 32,
+                        sequence_length: int | None = None, data=None):
+    """Calls ``on_loss(loss, trainable_weights)`` inside a trace of one training step of a
+    Keras model and returns what it returns; nothing runs and no variable changes.
 
-    Traces the model's forward pass and loss as its ``train_step`` does (nothing runs, no
-    variable changes) for a batch of ``batch_size`` (shapes from :func:`batch_specs`, or the
-    arrays or tensors of ``data=(x, y)``), and explains the gradients of the loss with respect
-    to the trainable weights.
+    The forward pass and loss are traced as the model's ``train_step`` makes them, for a batch
+    of ``batch_size`` (shapes from :func:`batch_specs`) or of the arrays or tensors of
+    ``data=(x, y)``. :func:`memsave_grads.explain` uses it to plan a model's step; taking the
+    work as a callback keeps this module from importing the explainer (which imports it).
     """
     version = keras_version(model)
     if data is None:
@@ -487,13 +488,12 @@ def explain_model(model, checkpoints: api.Checkpoints = "memory", batch_size: in
         x, y = data
         x_specs, y_specs = tf.nest.map_structure(
             lambda v: tf.TensorSpec.from_tensor(tf.convert_to_tensor(v)), (x, y))
-    from memsave_grads import _explain  # pylint: disable=import-outside-toplevel
-    reports = []
+    results = []
 
     def trace(x, y):
         _, loss = _forward_and_loss(model, version, x, y, None)
-        reports.append(_explain.explain(loss, list(model.trainable_weights), checkpoints))
+        results.append(on_loss(loss, list(model.trainable_weights)))
         return loss
 
     tf.function(trace, autograph=False).get_concrete_function(x_specs, y_specs)
-    return reports[-1]
+    return results[-1]
