@@ -17,6 +17,7 @@ from memsave_grads._tf import ordering
 from memsave_grads._tf import selection
 from memsave_grads._tf import stitch
 from memsave_grads.core import budgets
+from memsave_grads.core import op_types
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import schedule as schedule_lib
 
@@ -80,10 +81,25 @@ def _warn_plain_once(checkpoints, prepared: "_Prepared", reason: str) -> None:
     if key in _WARNED_PLAIN:
         return
     _WARNED_PLAIN.add(key)
+    loops = [op for op in prepared.region if op.type in op_types.WHILE_OP_TYPES]
+    if loops and all(tf_graph.loop_body_has_custom_gradient(op) for op in loops):
+        # Keras 3 recurrent layers under wrap_model, or a user's recompute(step): the saving
+        # is inside the loops, which plain tf.gradients differentiates as they are.
+        logging.info(
+            "memsave_grads: checkpoints=%.80r: outside its %d loop(s), whose steps recompute "
+            "inside, this graph of %d forward ops has nothing to save (%s); tf.gradients "
+            "differentiates it.", checkpoints, len(loops), len(prepared.region), reason)
+        return
+    loop_hint = (
+        f" {len(loops)} of those ops are loops, which the planner keeps or recomputes whole "
+        "while their gradients store what every iteration needs: to save inside a loop, "
+        "recompute its step with memsave_grads.recompute(step_fn) (wrap_model does so for "
+        "Keras 3 recurrent layers; docs/recurrent.md)." if loops else "")
     logging.warning(
         "memsave_grads: checkpoints=%.80r saves no memory on this graph of %d forward ops (%s); "
-        "plain tf.gradients computes its gradients, at tf.gradients' own peak. "
-        "memsave_grads.explain(...) shows the plan.", checkpoints, len(prepared.region), reason)
+        "plain tf.gradients computes its gradients, at tf.gradients' own peak.%s "
+        "memsave_grads.explain(...) shows the plan.", checkpoints, len(prepared.region), reason,
+        loop_hint)
 
 
 def run_plan(prepared: "_Prepared", plan: plan_lib.Plan) -> list:

@@ -12,6 +12,8 @@ imported when a model of its kind is wrapped (docs/keras.md).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import weakref
 from typing import TypeVar
 
@@ -21,6 +23,8 @@ from absl import logging
 from memsave_grads import _validate
 from memsave_grads import api
 from memsave_grads import errors
+from memsave_grads import recomputation
+from memsave_grads._tf import ordering
 
 KERAS2 = "Keras 2 (tf_keras)"
 KERAS3 = "Keras 3"
@@ -182,6 +186,88 @@ def _forward_and_loss(model, version: str, x, y, sample_weight):
     return y_pred, model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
 
 
+# Design note "recurrent layers": a Keras 3 recurrent layer runs its cell in a while loop, and the
+# loop's gradient stores every tensor of every step that the cell's gradient reads (gates and
+# their activations), which the planner cannot reach: to it the loop is one op. For the traced
+# training step only, each recurrent layer's cell ``call`` is wrapped in recompute(), which
+# keeps just the step's inputs, states, outputs and stateful draws and replays the rest in the
+# backward iteration (docs/recurrent.md). Keras 3 makes the dropout masks before the loop, so
+# they are inputs of the cell and never redrawn. A layer that runs a fused kernel instead of its
+# cell (cuDNN on GPU, tf_keras's LSTM and GRU) does not call the cell, and keeps its own memory.
+
+def _recurrent_cells(model, version: str) -> list:
+    """The cells of the model's Keras 3 recurrent layers (LSTM, GRU, SimpleRNN, RNN(cell),
+    ConvLSTM, inside Bidirectional and nested models), once each."""
+    if version != KERAS3:
+        return []
+    keras, _ = _import_keras3()
+    cells = []
+    for layer in _all_layers(model):
+        cell = getattr(layer, "cell", None)
+        if isinstance(layer, keras.layers.RNN) and cell is not None and not any(
+                cell is c for c in cells):
+            cells.append(cell)
+    return cells
+
+
+def _recomputed_call(call):
+    """``cell.call`` whose gradient recomputes the cell's internals (keyword arguments, such
+    as ``training``, are bound: recompute() takes positional tensors)."""
+
+    @functools.wraps(call)
+    def recomputed(inputs, states, *args, **kwargs):
+        def step(step_inputs, step_states):
+            return call(step_inputs, step_states, *args, **kwargs)
+        return recomputation.recompute(step)(inputs, states)
+
+    return recomputed
+
+
+#: Models already told that XLA keeps their recurrent cells as Keras builds them.
+_WARNED_XLA_CELLS: set = set()
+
+
+def _recompute_cells_here(model, recompute_cells: bool) -> bool:
+    """Whether this trace recomputes the cells: asked for, and not under XLA. Compiled by XLA,
+    a recomputed cell raised the peak (Keras 3 LSTM(256), batch 32, T = 600, CPU: stock
+    747 MiB, recomputed 806 MiB; docs/recurrent.md), so there the loops stay as Keras builds
+    them, with one warning per model."""
+    if not recompute_cells or not ordering.xla_in_effect():
+        return recompute_cells
+    if _recurrent_cells(model, keras_version(model)) and id(model) not in _WARNED_XLA_CELLS:
+        _WARNED_XLA_CELLS.add(id(model))
+        logging.warning(
+            "memsave_grads.keras: %s is compiled with XLA (jit_compile), where recomputing "
+            "inside a recurrent layer's loop raised the peak when measured; its recurrent "
+            "cells are left as Keras builds them. Compile with jit_compile=False to recompute "
+            "inside the loops (docs/recurrent.md).", getattr(model, "name", model))
+    return False
+
+
+@contextlib.contextmanager
+def recomputed_recurrent_cells(model):
+    """Within this context, the cells of ``model``'s Keras 3 recurrent layers recompute their
+    internals in the backward loop (design note "recurrent layers"); outside it, nothing on the
+    model changes. :func:`train_step` traces the forward pass inside it."""
+    cells = _recurrent_cells(model, keras_version(model))
+    originals = []
+    try:
+        for cell in cells:
+            originals.append((cell, cell.__dict__.get("call")))
+            # object.__setattr__: Keras's own __setattr__ would track the function.
+            object.__setattr__(cell, "call", _recomputed_call(cell.call))
+        if cells:
+            logging.vlog(1, "memsave_grads.keras: recomputing inside the loops of %d recurrent "
+                         "cell(s) of %s", len(cells), getattr(model, "name", model))
+        yield cells
+    finally:
+        for cell, original in originals:
+            if original is None:
+                del cell.__dict__["call"]
+            else:
+                object.__setattr__(cell, "call", original)
+
+
 def _train_step_keras2(model, data, checkpoints, fallback):
     tf_keras = _import_tf_keras()
     x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
@@ -202,14 +288,16 @@ def _train_step_keras2(model, data, checkpoints, fallback):
     return model.compute_metrics(x, y, y_pred, sample_weight)
 
 
-def _train_step_keras3(model, data, checkpoints, fallback):
+def _train_step_keras3(model, data, checkpoints, fallback, recompute_cells):
     # TensorFlowTrainer.train_step of Keras 3 (keras/src/backend/tensorflow/trainer.py), with
     # tape.gradient replaced; a LossScaleOptimizer scales in scale_loss and unscales (and skips
     # non-finite steps) in apply_gradients, as in the stock step.
     keras, _ = _import_keras3()
     from keras.src.losses import loss as loss_module  # pylint: disable=import-outside-toplevel
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    y_pred, loss = _forward_and_loss(model, KERAS3, x, y, sample_weight)
+    recompute_here = _recompute_cells_here(model, recompute_cells)
+    with recomputed_recurrent_cells(model) if recompute_here else contextlib.nullcontext():
+        y_pred, loss = _forward_and_loss(model, KERAS3, x, y, sample_weight)
     # pylint: disable=protected-access
     first_input = next(i for i in tf.nest.flatten(x) if i is not None)
     model._loss_tracker.update_state(loss_module.unscale_loss_for_distribution(loss),
@@ -226,7 +314,8 @@ def _train_step_keras3(model, data, checkpoints, fallback):
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-def train_step(model, data, checkpoints="memory", fallback: str = "warn"):
+def train_step(model, data, checkpoints="memory", fallback: str = "warn",
+               recompute_cells: bool = True):
     """One Keras training step whose gradients come from :func:`memsave_grads.gradients`.
 
     The stock ``Model.train_step`` of the model's Keras (2 or 3): unpack ``(x, y,
@@ -248,6 +337,11 @@ def train_step(model, data, checkpoints="memory", fallback: str = "warn"):
         fine).
       fallback: ``"warn"``: where the strategy finds nothing to keep (``NoCheckpointsFoundError``)
         or cannot rewrite the graph, log a warning and use ``tf.gradients``; ``"error"``: raise.
+      recompute_cells: Keras 3 recurrent layers (LSTM, GRU, SimpleRNN, RNN(cell)) recompute
+        their cell's internals in the backward loop, storing per time step only the cell's
+        inputs, states and outputs (design note "recurrent layers"; docs/recurrent.md). False
+        keeps the loops as Keras builds them, and so does a step compiled by XLA
+        (``jit_compile``), where the recomputation raised the peak (one warning).
 
     Returns:
       The dict of metric results the stock step returns.
@@ -257,10 +351,18 @@ def train_step(model, data, checkpoints="memory", fallback: str = "warn"):
       InvalidArgumentError: the model has no optimizer.
     """
     version = keras_version(model)
+    _check_recompute_cells(recompute_cells)
     _check_step(model)
     if version == KERAS2:
         return _train_step_keras2(model, data, checkpoints, fallback)
-    return _train_step_keras3(model, data, checkpoints, fallback)
+    return _train_step_keras3(model, data, checkpoints, fallback, recompute_cells)
+
+
+def _check_recompute_cells(recompute_cells) -> None:
+    if not isinstance(recompute_cells, bool):
+        raise errors.InvalidTypeError(
+            f"recompute_cells: expected True or False, got {type(recompute_cells).__name__}: "
+            f"{recompute_cells!r:.60}.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,18 +372,19 @@ def train_step(model, data, checkpoints="memory", fallback: str = "warn"):
 class _WrappedTrainStep:
     """What ``model.train_step`` becomes on a wrapped model (an instance attribute)."""
 
-    def __init__(self, model, checkpoints, fallback):
+    def __init__(self, model, checkpoints, fallback, recompute_cells):
         self._model = weakref.ref(model)  # no reference cycle through the model's __dict__
         self.checkpoints = checkpoints
         self.fallback = fallback
+        self.recompute_cells = recompute_cells
 
     def __call__(self, data):
         return train_step(self._model(), data, checkpoints=self.checkpoints,
-                          fallback=self.fallback)
+                          fallback=self.fallback, recompute_cells=self.recompute_cells)
 
     def __repr__(self):
         return (f"<memsave_grads train_step checkpoints={self.checkpoints!r} "
-                f"fallback={self.fallback!r}>")
+                f"fallback={self.fallback!r} recompute_cells={self.recompute_cells!r}>")
 
 
 def is_wrapped(model: object) -> bool:
@@ -290,7 +393,7 @@ def is_wrapped(model: object) -> bool:
 
 
 def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
-               fallback: str = "warn") -> _Model:
+               fallback: str = "warn", recompute_cells: bool = True) -> _Model:
     """Make ``model.fit`` (and ``train_on_batch``) compute gradients with memsave_grads.
 
     Patches **this model object in place** and returns it: its ``train_step`` becomes
@@ -309,6 +412,8 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
       checkpoints: as in :func:`memsave_grads.gradients`: ``"memory"`` (default), ``"speed"``,
         a budget, or a list of op-name patterns (not tensors: the step is traced later).
       fallback: ``"warn"`` (default) or ``"error"``; see :func:`train_step`.
+      recompute_cells: Keras 3 recurrent layers recompute inside their loop (default); see
+        :func:`train_step`.
 
     Returns:
       ``model`` itself.
@@ -321,11 +426,12 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
     """
     version = keras_version(model)
     _check_options(checkpoints, fallback)
+    _check_recompute_cells(recompute_cells)
     _check_model(model, version, "wrap_model")
     if is_wrapped(model):
         logging.info("memsave_grads.keras: re-wrapping %s with checkpoints=%r", model.name,
                      checkpoints)
-    model.train_step = _WrappedTrainStep(model, checkpoints, fallback)
+    model.train_step = _WrappedTrainStep(model, checkpoints, fallback, recompute_cells)
     model.train_function = None
     logging.info("memsave_grads.keras: wrapped %s (%s), checkpoints=%r", model.name, version,
                  checkpoints)

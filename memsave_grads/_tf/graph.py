@@ -273,7 +273,7 @@ def is_replayable(op: tf.Operation) -> bool:
     Stateful ops (random draws, variable reads, iterators, stateful If/While) are not: their
     outputs are kept instead (design note "never replay state" in docs/design.md).
     """
-    if uses_v1_control_flow(op):
+    if uses_v1_control_flow(op) or op.type in op_types.FEED_OP_TYPES:
         return False
     try:
         return not op.op_def.is_stateful
@@ -302,6 +302,17 @@ def _called_op_types(call: tf.Operation) -> list[str]:
 
     names = list(walk([call.get_attr("f").name], called_functions))
     return [node.op for name in names for node in nodes_of[name]]
+
+
+def loop_body_has_custom_gradient(loop: tf.Operation) -> bool:
+    """Whether the body of a while op holds a ``tf.custom_gradient`` (``recompute()``, or
+    ``tf.recompute_grad``): then its gradient need not store every tensor of every iteration."""
+    try:
+        nodes = _function_nodes(loop.graph, loop.get_attr("body").name)
+    except (AttributeError, ValueError):
+        return False
+    return any(node.attr["_gradient_op_type"].s.startswith(b"CustomGradient")
+               for node in nodes if "_gradient_op_type" in node.attr)
 
 
 def op_types_run(op: tf.Operation) -> list[str]:
