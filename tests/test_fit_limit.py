@@ -1,10 +1,15 @@
-"""fit-limit's search and model argument (memsave_grads/bench/fit_limit.py), and
-explain(model) for Keras models: the parts that run without a child process."""
+"""fit-limit (memsave_grads/bench/fit_limit.py): its search and table against fake tries, its
+model argument, tries in their own capped processes, and the whole command (slow); and
+explain(model) for Keras models."""
+
+import subprocess
+import sys
 
 import keras
 import pytest
 
 import memsave_grads as mg
+from memsave_grads import measure
 from memsave_grads.bench import fit_limit
 
 
@@ -78,3 +83,41 @@ def test_explain_model_refuses_bad_input():
         mg.explain(model, batch_size=0)
     with pytest.raises(mg.InvalidArgumentError, match="xs"):
         mg.explain(model, model.trainable_weights)
+
+
+MODELS = f"{__file__.rsplit('/', 1)[0]}/fit_limit_models.py"
+
+
+def test_a_try_in_its_own_process_fits_or_runs_out_of_memory_under_the_cap():
+    """Each try is a fresh process with the CPU BFC allocator capped: the one that fits reports
+    a peak under the cap; one far too large is reported as out of memory, not as an error."""
+    step = f"{MODELS}:tanh_chain_step"
+    fits = fit_limit.attempt(step, "memory", 64, limit_mib=48, steps=1)
+    assert fits.fits, fits
+    assert 0 < fits.peak_bytes <= 48 * measure.MIB and fits.step_seconds > 0
+    too_large = fit_limit.attempt(step, fit_limit.PLAIN, 8192, limit_mib=48, steps=1)
+    assert not too_large.fits and too_large.out_of_memory, too_large
+
+
+@pytest.mark.slow
+def test_fit_limit_command_finds_a_larger_batch_with_memsave(tmp_path):
+    """The whole command, as a user runs it: the table and the PNG; under a 32 MiB cap the
+    "memory" plan trains a larger batch than tf.gradients (measured: 400-odd vs 1000-odd)."""
+    png = tmp_path / "fit.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "memsave_grads", "fit-limit", f"{MODELS}:residual_mlp",
+         "--limit-mib", "32",
+         "--checkpoints", "memory", "--start", "128", "--max", "4096", "--steps", "1",
+         "--plot", str(png), "--output", str(tmp_path / "fit.md")],
+        capture_output=True, text=True, check=False, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines()
+            if line.startswith("|") and "---" not in line}
+    assert set(rows) >= {"tf.gradients", '"memory"'} or set(rows) >= {"tf.gradients", "memory"}, \
+        proc.stdout
+    sizes = {name: int(line.split("|")[2]) for name, line in rows.items()
+             if name in ("tf.gradients", "memory", '"memory"')}
+    plain, ours = sizes.pop("tf.gradients"), sizes.popitem()[1]
+    assert ours >= 1.5 * plain, proc.stdout
+    assert png.stat().st_size > 1000
+    assert "tf.gradients" in (tmp_path / "fit.md").read_text()

@@ -10,7 +10,7 @@ step; ``recompute_cells=False``, and XLA, keep Keras's own loops.
 
 import numpy as np
 import pytest
-import tensorflow as tf
+import tensorflow as tf  # noqa: F401  (TensorFlow loaded at the top, as conftest expects)
 
 from memsave_grads import errors
 from memsave_grads import measure

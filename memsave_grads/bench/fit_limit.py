@@ -33,14 +33,13 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
-import json
 import os
-import subprocess
 import sys
 import time
 from typing import Callable, Sequence
 
 from memsave_grads import measure
+from memsave_grads.bench import child
 from memsave_grads.bench import tables
 
 #: The reference method's name, and Keras 3's own rematerialisation.
@@ -48,8 +47,6 @@ PLAIN = "tf.gradients"
 KERAS_REMAT = "keras.RematScope"
 #: The allocator cap on CPU, read once when TensorFlow's CPU allocator starts.
 CPU_LIMIT_ENV = "TF_CPU_BFC_MEM_LIMIT_IN_MB"
-#: What a try prints before its JSON result (the rest of its stdout is the model's own).
-RESULT_PREFIX = "FIT_LIMIT_RESULT "
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,21 +243,16 @@ def attempt(source: str, method: str, batch_size: int, limit_mib: int,
     request = {"source": source, "method": method, "batch_size": batch_size,
                "sequence_length": sequence_length, "limit_mib": limit_mib, "steps": steps}
     size = batch_size if sequence_length is None else sequence_length
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", **{CPU_LIMIT_ENV: str(limit_mib)})
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    try:
-        proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(request)], env=env,
-                              capture_output=True, text=True, check=False, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    outcome = child.run(__name__, request, env={CPU_LIMIT_ENV: str(limit_mib)},
+                        timeout_s=timeout_s)
+    if outcome.timed_out:
         return Attempt(method, size, False, error=f"ran past {timeout_s:.0f} s")
-    lines = [line[len(RESULT_PREFIX):] for line in proc.stdout.splitlines()
-             if line.startswith(RESULT_PREFIX)]
-    if not lines:
-        tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    if outcome.result is None:
         # A process the allocator could not serve may also die outright.
-        out_of_memory = "OOM" in proc.stderr or "out of memory" in proc.stderr.lower()
-        return Attempt(method, size, False, error=tail[:300], out_of_memory=out_of_memory)
-    return Attempt(method, size, **json.loads(lines[-1]))
+        out_of_memory = "OOM" in outcome.stderr or "out of memory" in outcome.stderr.lower()
+        return Attempt(method, size, False, error=outcome.last_error_line()[:300],
+                       out_of_memory=out_of_memory)
+    return Attempt(method, size, **outcome.result)
 
 
 def search(method: str, try_size: Callable[[int], Attempt], start: int, maximum: int,
@@ -373,4 +365,4 @@ def plot(searches: Sequence[Search], dimension: str, limit_mib: int, path: str,
 
 
 if __name__ == "__main__":
-    print(RESULT_PREFIX + json.dumps(_try_here(json.loads(sys.argv[1]))), flush=True)
+    child.serve(_try_here)

@@ -18,11 +18,7 @@ above what is in use before the step, the median of :data:`PEAK_RUNS` runs.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import subprocess
-import sys
 from typing import Callable, Sequence
 
 import tensorflow as tf
@@ -30,6 +26,7 @@ from absl import logging
 
 from memsave_grads import api
 from memsave_grads import measure as measure_lib
+from memsave_grads.bench import child
 from memsave_grads.bench import tables
 from memsave_grads.bench.harness import PEAK_RUNS
 from memsave_grads.bench.models import XlaSpec
@@ -248,18 +245,14 @@ def measure(spec: XlaSpec, method: str, jit_compile: bool, repeats: int = 3) -> 
     (gradients + SGD update): the median time of ``repeats`` steps and the median peak."""
     request = {"function": spec.function, "kwargs": spec.kwargs, "method": method,
                "jit_compile": jit_compile, "repeats": repeats}
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(request)], env=env,
-                          capture_output=True, text=True, check=False)
+    outcome = child.run(__name__, request)
     result = XlaResult(spec.name, method, jit_compile)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        result.failed = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    if outcome.returncode != 0 or outcome.result is None:
+        result.failed = outcome.last_error_line()
         logging.error("%s / %s / jit_compile=%s failed:\n%s", spec.name, method, jit_compile,
-                      proc.stderr[-3000:])
+                      outcome.stderr[-3000:])
         return result
-    for key, value in json.loads(lines[-1]).items():
+    for key, value in outcome.result.items():
         setattr(result, key, value)
     logging.info("%s / %s / jit_compile=%s: peak %s MiB, median step %s ms, max rel grad err "
                  "%s", spec.name, method, jit_compile, _mib(result.peak_bytes),
@@ -346,4 +339,4 @@ TABLE_NOTES = (
 
 
 if __name__ == "__main__":
-    print(json.dumps(_measure_here(json.loads(sys.argv[1]))))
+    child.serve(_measure_here)
