@@ -597,7 +597,11 @@ def trace_training_step(model, on_loss, batch_size: int = 32,
     results = []
 
     def trace(x, y):
-        _, loss = _forward_and_loss(model, version, x, y, None)
+        # As wrap_model's step traces it (design note "recurrent layers").
+        cells = recomputed_recurrent_cells(model) if _recompute_cells_here(model, True) \
+            else contextlib.nullcontext()
+        with cells:
+            _, loss = _forward_and_loss(model, version, x, y, None)
         results.append(on_loss(loss, list(model.trainable_weights)))
         return loss
 

@@ -1,0 +1,74 @@
+"""The README's headline models, as a user hands them to the fit-limit command:
+
+    python -m memsave_grads fit-limit examples/fit_limit_models.py:resnet50 --limit-mib 600 \\
+        --checkpoints memory --keras-remat --plot resnet50.png
+
+Each function takes the batch size and returns a compiled Keras 3 model; fit-limit makes a
+batch of random data of the model's shapes (token ids for the integer inputs, class indices
+for the sparse losses). Nothing here is tuned for memsave_grads: these are the stock layers.
+"""
+
+import keras
+
+
+def resnet50(batch_size, image_size=64, classes=100):
+    """keras.applications.ResNet50 (25.6 M weights, random init) on 64 x 64 images."""
+    del batch_size
+    keras.utils.set_random_seed(0)
+    model = keras.applications.ResNet50(weights=None, input_shape=(image_size, image_size, 3),
+                                        classes=classes)
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy())
+    return model
+
+
+def _block(h, dim, heads, causal):
+    attention = keras.layers.MultiHeadAttention(heads, dim // heads)(
+        h, h, use_causal_mask=causal)
+    h = keras.layers.LayerNormalization()(h + attention)
+    hidden = keras.layers.Dense(4 * dim, activation="gelu")(h)
+    return keras.layers.LayerNormalization()(h + keras.layers.Dense(dim)(hidden))
+
+
+def _token_model(layers, sequence, dim, heads, vocabulary, causal, per_token_outputs):
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((sequence,), dtype="int32")
+    h = keras.layers.Embedding(vocabulary, dim)(tokens)
+    h = h + keras.layers.Embedding(sequence, dim)(keras.ops.arange(sequence))
+    for _ in range(layers):
+        h = _block(h, dim, heads, causal)
+    if not per_token_outputs:
+        h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(tokens, keras.layers.Dense(vocabulary)(h))
+    model.compile(optimizer=keras.optimizers.AdamW(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def transformer_encoder(batch_size, layers=8, sequence=128, dim=256, heads=4):
+    """A BERT-style encoder: 8 blocks of self-attention + GELU MLP, masked-token outputs over
+    a 1000-token vocabulary."""
+    del batch_size
+    return _token_model(layers, sequence, dim, heads, vocabulary=1000, causal=False,
+                        per_token_outputs=True)
+
+
+def gpt_decoder(batch_size, layers=6, sequence=256, dim=256, heads=4):
+    """A GPT-style decoder: 6 blocks of causal self-attention, next-token logits over a
+    2000-token vocabulary."""
+    del batch_size
+    return _token_model(layers, sequence, dim, heads, vocabulary=2000, causal=True,
+                        per_token_outputs=True)
+
+
+def lstm(batch_size, steps=200, features=64, units=256):
+    """Two stacked LSTM(256) layers over 200 steps (dropout 0.1), a 10-way classifier."""
+    del batch_size
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((steps, features))
+    h = keras.layers.LSTM(units, return_sequences=True, dropout=0.1)(inputs)
+    h = keras.layers.LSTM(units, dropout=0.1)(h)
+    model = keras.Model(inputs, keras.layers.Dense(10)(h))
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
