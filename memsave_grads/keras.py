@@ -288,7 +288,8 @@ def _train_step_keras2(model, data, checkpoints, fallback):
     return model.compute_metrics(x, y, y_pred, sample_weight)
 
 
-def _train_step_keras3(model, data, checkpoints, fallback, recompute_cells):
+def _train_step_keras3(model, data, checkpoints, fallback, recompute_cells,
+                       release_gradients_early):
     # TensorFlowTrainer.train_step of Keras 3 (keras/src/backend/tensorflow/trainer.py), with
     # tape.gradient replaced; a LossScaleOptimizer scales in scale_loss and unscales (and skips
     # non-finite steps) in apply_gradients, as in the stock step.
@@ -305,7 +306,9 @@ def _train_step_keras3(model, data, checkpoints, fallback, recompute_cells):
     # pylint: enable=protected-access
     if model.optimizer is not None:
         loss = model.optimizer.scale_loss(loss)
-    if model.trainable_weights:
+    if model.trainable_weights and release_gradients_early:
+        _apply_releasing_early(model, loss, checkpoints, fallback)
+    elif model.trainable_weights:
         variables = list(model.trainable_weights)
         grads = _gradients(loss, variables, checkpoints, fallback)
         model.optimizer.apply_gradients(zip(grads, variables))
@@ -314,8 +317,68 @@ def _train_step_keras3(model, data, checkpoints, fallback, recompute_cells):
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
+# Design note "early release" (docs/design.md), for Keras 3's fit: each weight's update runs as
+# soon as its gradient is complete, and the next gradient waits for it, so one weight gradient
+# is alive at a time instead of all of them (memsave_grads.minimize does the same for v1 and
+# tf_keras optimizers). The optimizer's own apply_gradients builds the updates; its
+# iterations, learning-rate schedule and weight decay are untouched.
+
+def _check_early_release(model, version: str) -> None:
+    """What cannot be released early, refused before the step is traced."""
+    if version == KERAS2:
+        raise errors.InvalidArgumentError(
+            "release_gradients_early: wrap_model releases gradients early for Keras 3 "
+            "optimizers; for tf_keras call memsave_grads.minimize(loss, model.optimizer, "
+            "model.trainable_variables) from your train_step (docs/minimize.md).")
+    keras, _ = _import_keras3()
+    optimizer = model.optimizer
+    name = type(optimizer).__name__
+    needs_all = None
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        needs_all = ("it is a LossScaleOptimizer, which checks that every gradient is finite "
+                     "before it applies any")
+    elif getattr(optimizer, "global_clipnorm", None):
+        needs_all = ("global_clipnorm scales every gradient by the norm of all of them, which "
+                     "is known only when the last one is")
+    elif getattr(optimizer, "gradient_accumulation_steps", None):
+        needs_all = "gradient_accumulation_steps adds the gradients up over several steps"
+    elif tf.distribute.has_strategy():
+        needs_all = (f"under {type(tf.distribute.get_strategy()).__name__} it all-reduces every "
+                     "gradient across replicas in one op")
+    if needs_all:
+        raise errors.InvalidArgumentError(
+            f"release_gradients_early: the optimizer {name} cannot update the weights one by "
+            f"one: {needs_all}. Use clipnorm or clipvalue (per weight) instead, or wrap "
+            "without release_gradients_early.")
+
+
+def _apply_releasing_early(model, loss, checkpoints, fallback) -> None:
+    from memsave_grads import optimize  # pylint: disable=import-outside-toplevel
+    from memsave_grads._tf import early_release  # pylint: disable=import-outside-toplevel
+    _check_early_release(model, KERAS3)
+    optimizer = model.optimizer
+    variables = list(model.trainable_weights)
+    graph = tf.compat.v1.get_default_graph()
+    grad_floor = early_release.last_op_id(graph)
+    grads = _gradients(loss, variables, checkpoints, fallback)
+    apply_floor = early_release.last_op_id(graph)
+    # Outside a strategy the sum over one replica is the gradients themselves, but Keras builds
+    # it as one op over all of them, which would hold every gradient until the last is
+    # complete (what experimental_aggregate_gradients=False skips in tf_keras). A strategy is
+    # refused in _check_early_release.
+    object.__setattr__(optimizer, "_all_reduce_sum_gradients", list)
+    try:
+        optimizer.apply_gradients(zip(grads, variables))
+    finally:
+        del optimizer.__dict__["_all_reduce_sum_gradients"]
+    tf_variables = [getattr(v, "value", v) for v in variables]
+    handles = [tf.convert_to_tensor(v.handle) for v in tf_variables]
+    optimize.order_updates_early(loss, tf_variables, handles, grads, grad_floor, apply_floor,
+                                 type(optimizer).__name__, "memsave_grads.keras")
+
+
 def train_step(model, data, checkpoints="memory", fallback: str = "warn",
-               recompute_cells: bool = True):
+               recompute_cells: bool = True, release_gradients_early: bool = False):
     """One Keras training step whose gradients come from :func:`memsave_grads.gradients`.
 
     The stock ``Model.train_step`` of the model's Keras (2 or 3): unpack ``(x, y,
@@ -342,6 +405,11 @@ def train_step(model, data, checkpoints="memory", fallback: str = "warn",
         inputs, states and outputs (design note "recurrent layers"; docs/recurrent.md). False
         keeps the loops as Keras builds them, and so does a step compiled by XLA
         (``jit_compile``), where the recomputation raised the peak (one warning).
+      release_gradients_early: Keras 3 only: update each weight as soon as its gradient is
+        complete, so one weight gradient is alive at a time, not all of them (design note
+        "early release"); the weights and ``optimizer.iterations`` end as in the stock step.
+        Refused for what needs all gradients at once: ``LossScaleOptimizer``,
+        ``global_clipnorm``, ``gradient_accumulation_steps``, a ``tf.distribute`` strategy.
 
     Returns:
       The dict of metric results the stock step returns.
@@ -351,18 +419,22 @@ def train_step(model, data, checkpoints="memory", fallback: str = "warn",
       InvalidArgumentError: the model has no optimizer.
     """
     version = keras_version(model)
-    _check_recompute_cells(recompute_cells)
+    _check_flags(recompute_cells=recompute_cells,
+                 release_gradients_early=release_gradients_early)
     _check_step(model)
+    if release_gradients_early:
+        _check_early_release(model, version)
     if version == KERAS2:
         return _train_step_keras2(model, data, checkpoints, fallback)
-    return _train_step_keras3(model, data, checkpoints, fallback, recompute_cells)
+    return _train_step_keras3(model, data, checkpoints, fallback, recompute_cells,
+                              release_gradients_early)
 
 
-def _check_recompute_cells(recompute_cells) -> None:
-    if not isinstance(recompute_cells, bool):
-        raise errors.InvalidTypeError(
-            f"recompute_cells: expected True or False, got {type(recompute_cells).__name__}: "
-            f"{recompute_cells!r:.60}.")
+def _check_flags(**flags) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise errors.InvalidTypeError(
+                f"{name}: expected True or False, got {type(value).__name__}: {value!r:.60}.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,19 +444,22 @@ def _check_recompute_cells(recompute_cells) -> None:
 class _WrappedTrainStep:
     """What ``model.train_step`` becomes on a wrapped model (an instance attribute)."""
 
-    def __init__(self, model, checkpoints, fallback, recompute_cells):
+    def __init__(self, model, checkpoints, fallback, recompute_cells, release_gradients_early):
         self._model = weakref.ref(model)  # no reference cycle through the model's __dict__
         self.checkpoints = checkpoints
         self.fallback = fallback
         self.recompute_cells = recompute_cells
+        self.release_gradients_early = release_gradients_early
 
     def __call__(self, data):
         return train_step(self._model(), data, checkpoints=self.checkpoints,
-                          fallback=self.fallback, recompute_cells=self.recompute_cells)
+                          fallback=self.fallback, recompute_cells=self.recompute_cells,
+                          release_gradients_early=self.release_gradients_early)
 
     def __repr__(self):
         return (f"<memsave_grads train_step checkpoints={self.checkpoints!r} "
-                f"fallback={self.fallback!r} recompute_cells={self.recompute_cells!r}>")
+                f"fallback={self.fallback!r} recompute_cells={self.recompute_cells!r} "
+                f"release_gradients_early={self.release_gradients_early!r}>")
 
 
 def is_wrapped(model: object) -> bool:
@@ -393,7 +468,8 @@ def is_wrapped(model: object) -> bool:
 
 
 def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
-               fallback: str = "warn", recompute_cells: bool = True) -> _Model:
+               fallback: str = "warn", recompute_cells: bool = True,
+               release_gradients_early: bool = False) -> _Model:
     """Make ``model.fit`` (and ``train_on_batch``) compute gradients with memsave_grads.
 
     Patches **this model object in place** and returns it: its ``train_step`` becomes
@@ -414,6 +490,9 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
       fallback: ``"warn"`` (default) or ``"error"``; see :func:`train_step`.
       recompute_cells: Keras 3 recurrent layers recompute inside their loop (default); see
         :func:`train_step`.
+      release_gradients_early: Keras 3: apply each weight's update as soon as its gradient is
+        complete (default False); see :func:`train_step`. Checked against the optimizer
+        here and again when the step is traced (compiling again may change it).
 
     Returns:
       ``model`` itself.
@@ -426,12 +505,16 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
     """
     version = keras_version(model)
     _check_options(checkpoints, fallback)
-    _check_recompute_cells(recompute_cells)
+    _check_flags(recompute_cells=recompute_cells,
+                 release_gradients_early=release_gradients_early)
     _check_model(model, version, "wrap_model")
+    if release_gradients_early:
+        _check_early_release(model, version)
     if is_wrapped(model):
         logging.info("memsave_grads.keras: re-wrapping %s with checkpoints=%r", model.name,
                      checkpoints)
-    model.train_step = _WrappedTrainStep(model, checkpoints, fallback, recompute_cells)
+    model.train_step = _WrappedTrainStep(model, checkpoints, fallback, recompute_cells,
+                                         release_gradients_early)
     model.train_function = None
     logging.info("memsave_grads.keras: wrapped %s (%s), checkpoints=%r", model.name, version,
                  checkpoints)
