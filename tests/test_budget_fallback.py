@@ -112,6 +112,12 @@ def test_infeasible_budget_error_states_the_plain_peak(graph):
         mg.gradients(loss, xs, checkpoints="budget:1%")
     share = info.value.min_feasible_bytes / info.value.plain_peak_bytes
     assert re.search(rf"{share:.1%} of plain tf.gradients'", str(info.value))
+    # The remedy in the user's terms: the smallest whole percentage, which is feasible.
+    suggested = re.search(r'checkpoints="(budget:\d+%)"', str(info.value)).group(1)
+    assert int(suggested[7:-1]) == -(-100 * info.value.min_feasible_bytes //
+                                     info.value.plain_peak_bytes)
+    grads = mg.gradients(loss, xs, checkpoints=suggested)
+    assert all(g is not None for g in grads)
 
 
 def test_wrap_model_lstm_trains_under_an_infeasible_budget(caplog):

@@ -77,11 +77,21 @@ def infeasible(problem: BudgetProblem, smallest_peak_bytes: int,
         f"({smallest_peak_bytes} bytes, {_share(smallest_peak_bytes, plain_bytes)} of plain "
         f"tf.gradients' {budgets.format_bytes(plain_bytes)}; static memory model, "
         f"solver {solver!r}). "
-        f"Raise the budget to at least that, or reduce the batch size.")
+        f"Raise the budget to at least that ({_as_budget(smallest_peak_bytes, plain_bytes)}), "
+        f"or reduce the batch size.")
     error.min_feasible_bytes = smallest_peak_bytes
     error.budget_bytes = problem.budget_bytes
     error.plain_peak_bytes = plain_bytes
     return error
+
+
+def _as_budget(nbytes: int, plain_bytes: int) -> str:
+    """The smallest feasible budget as the user would write it: a percentage of tf.gradients'
+    peak rounded up to a whole percent (the strings "budget:NN%" and Budget(fraction=) take)."""
+    if plain_bytes <= 0:
+        return f"checkpoints=Budget(bytes={nbytes})"
+    percent = -(-100 * nbytes // plain_bytes)  # ceiling: a rounded-down budget is infeasible
+    return f"checkpoints=\"budget:{percent}%\", or Budget(bytes={nbytes})"
 
 
 def _share(nbytes: int, plain_bytes: int) -> str:
