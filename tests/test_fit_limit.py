@@ -133,3 +133,14 @@ def test_the_readme_models_build_and_plan(name, kwargs):
     model = fit_limit._load_function(f"{path}:{name}")(2, **kwargs)  # pylint: disable=protected-access
     report = mg.explain(model, batch_size=2)
     assert report.forward_ops > 10 and report.predicted_plain_peak_bytes > 0, report
+
+
+def test_a_keras_failure_is_reported_by_its_cause():
+    wrapped = ValueError("Exception encountered when calling Functional.call().\n\n"
+                         "\x1b[1mThe custom_gradient decorator currently supports keywords "
+                         "arguments only when eager execution is enabled.\x1b[0m\n\n"
+                         "Arguments received by Functional.call():\n  \u2022 training=True")
+    assert fit_limit._error_line(wrapped) == (  # pylint: disable=protected-access
+        "The custom_gradient decorator currently supports keywords arguments only when eager "
+        "execution is enabled. (in Functional.call())")
+    assert fit_limit._error_line(RuntimeError("plain\nmore")) == "plain"  # pylint: disable=protected-access

@@ -33,6 +33,7 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import re
 import os
 import sys
 import time
@@ -177,6 +178,16 @@ def _counting_rewrites():
     return calls
 
 
+def _error_line(error: Exception) -> str:
+    """The line of an exception's message that says what went wrong: Keras 3 wraps a layer's
+    error in "Exception encountered when calling X.call()" and ANSI-bolds the cause below it."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line]
+    if len(lines) > 1 and lines[0].startswith("Exception encountered when calling"):
+        return f"{lines[1]} (in {lines[0].rsplit(' ', 1)[-1].rstrip('.')})"
+    return lines[0] if lines else ""
+
+
 def _try_here(request: dict) -> dict:
     """The child's side of :func:`attempt`: build, trace, measure; a dict of the result."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -227,8 +238,7 @@ def _try_here(request: dict) -> dict:
         line = next((x for x in lines if "OOM" in x), lines[0])
         return {"fits": False, "out_of_memory": True, "error": line.strip()[:300]}
     except Exception as e:  # pylint: disable=broad-except  # reported as this try's failure
-        first_line = (str(e).strip().splitlines() or [""])[0]
-        return {"fits": False, "error": f"{type(e).__name__}: {first_line}"[:300]}
+        return {"fits": False, "error": f"{type(e).__name__}: {_error_line(e)}"[:300]}
     finally:
         if patched:
             mg.unpatch()
