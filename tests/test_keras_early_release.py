@@ -46,8 +46,8 @@ def _fit(optimizer_name, **wrap_kwargs):
     return model, history.history["loss"]
 
 
-@pytest.mark.parametrize("optimizer_name", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("checkpoints", ["memory", "speed"])
+@pytest.mark.parametrize("optimizer_name,checkpoints", [
+    ("sgd_momentum", "memory"), ("adam", "memory"), ("adamw_clipnorm", "speed")])
 def test_weights_and_iterations_match_stock_fit(optimizer_name, checkpoints):
     stock, stock_loss = _fit(optimizer_name)
     keras.backend.clear_session(free_memory=False)
