@@ -23,7 +23,9 @@ from absl import logging
 from memsave_grads import _validate
 from memsave_grads import api
 from memsave_grads import errors
+from memsave_grads import optimize
 from memsave_grads import recomputation
+from memsave_grads._tf import early_release
 from memsave_grads._tf import ordering
 
 KERAS2 = "Keras 2 (tf_keras)"
@@ -224,7 +226,29 @@ def _recomputed_call(call):
 
 
 #: Models already told that XLA keeps their recurrent cells as Keras builds them.
-_WARNED_XLA_CELLS: set = set()
+_WARNED_XLA_CELLS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def _overridden(pairs):
+    """Set instance attributes ``(obj, name, value)`` for the duration of a trace, and put
+    back what each object had (its own attribute, or none: the class's). object.__setattr__,
+    because Keras's own __setattr__ would track the value."""
+    saved = []
+    try:
+        for obj, name, value in pairs:
+            saved.append((obj, name, obj.__dict__.get(name, _ABSENT)))
+            object.__setattr__(obj, name, value)
+        yield
+    finally:
+        for obj, name, original in reversed(saved):
+            if original is _ABSENT:
+                obj.__dict__.pop(name, None)
+            else:
+                object.__setattr__(obj, name, original)
+
+
+_ABSENT = object()
 
 
 def _recompute_cells_here(model, recompute_cells: bool) -> bool:
@@ -234,13 +258,14 @@ def _recompute_cells_here(model, recompute_cells: bool) -> bool:
     them, with one warning per model."""
     if not recompute_cells or not ordering.xla_in_effect():
         return recompute_cells
-    if _recurrent_cells(model, keras_version(model)) and id(model) not in _WARNED_XLA_CELLS:
-        _WARNED_XLA_CELLS.add(id(model))
+    if _recurrent_cells(model, keras_version(model)) and model not in _WARNED_XLA_CELLS:
+        _WARNED_XLA_CELLS.add(model)
         logging.warning(
-            "memsave_grads.keras: %s is compiled with XLA (jit_compile), where recomputing "
-            "inside a recurrent layer's loop raised the peak when measured; its recurrent "
-            "cells are left as Keras builds them. Compile with jit_compile=False to recompute "
-            "inside the loops (docs/recurrent.md).", getattr(model, "name", model))
+            "memsave_grads.keras: %s's step is compiled by XLA (its jit_compile, which 'auto' "
+            "turns on for GPUs, or XLA auto-clustering), where recomputing inside a recurrent "
+            "layer's loop raised the peak when measured; its recurrent cells are left as Keras "
+            "builds them. Compile without XLA to recompute inside the loops "
+            "(docs/recurrent.md).", getattr(model, "name", model))
     return False
 
 
@@ -250,22 +275,11 @@ def recomputed_recurrent_cells(model):
     internals in the backward loop (design note "recurrent layers"); outside it, nothing on the
     model changes. :func:`train_step` traces the forward pass inside it."""
     cells = _recurrent_cells(model, keras_version(model))
-    originals = []
-    try:
-        for cell in cells:
-            originals.append((cell, cell.__dict__.get("call")))
-            # object.__setattr__: Keras's own __setattr__ would track the function.
-            object.__setattr__(cell, "call", _recomputed_call(cell.call))
+    with _overridden([(cell, "call", _recomputed_call(cell.call)) for cell in cells]):
         if cells:
             logging.vlog(1, "memsave_grads.keras: recomputing inside the loops of %d recurrent "
                          "cell(s) of %s", len(cells), getattr(model, "name", model))
         yield cells
-    finally:
-        for cell, original in originals:
-            if original is None:
-                del cell.__dict__["call"]
-            else:
-                object.__setattr__(cell, "call", original)
 
 
 def _train_step_keras2(model, data, checkpoints, fallback):
@@ -332,30 +346,40 @@ def _check_early_release(model, version: str) -> None:
             "model.trainable_variables) from your train_step (docs/minimize.md).")
     keras, _ = _import_keras3()
     optimizer = model.optimizer
-    name = type(optimizer).__name__
-    needs_all = None
+    strategy = getattr(model, "distribute_strategy", None)
+    distributed = tf.distribute.has_strategy() or (
+        strategy is not None and strategy is not tf.distribute.get_strategy())
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        needs_all = ("it is a LossScaleOptimizer, which checks that every gradient is finite "
-                     "before it applies any")
+        reason = ("it is a LossScaleOptimizer, which checks that every gradient is finite "
+                  "before it applies any; train in float32, or without release_gradients_early")
     elif getattr(optimizer, "global_clipnorm", None):
-        needs_all = ("global_clipnorm scales every gradient by the norm of all of them, which "
-                     "is known only when the last one is")
+        reason = ("global_clipnorm scales every gradient by the norm of all of them, which is "
+                  "known only when the last one is; use clipnorm or clipvalue (per weight)")
     elif getattr(optimizer, "gradient_accumulation_steps", None):
-        needs_all = "gradient_accumulation_steps adds the gradients up over several steps"
-    elif tf.distribute.has_strategy():
-        needs_all = (f"under {type(tf.distribute.get_strategy()).__name__} it all-reduces every "
-                     "gradient across replicas in one op")
-    if needs_all:
-        raise errors.InvalidArgumentError(
-            f"release_gradients_early: the optimizer {name} cannot update the weights one by "
-            f"one: {needs_all}. Use clipnorm or clipvalue (per weight) instead, or wrap "
-            "without release_gradients_early.")
+        reason = ("gradient_accumulation_steps adds the gradients up over several steps; "
+                  "accumulate with a larger batch instead, which memsave_grads makes room for")
+    elif distributed:
+        reason = (f"under {type(strategy or tf.distribute.get_strategy()).__name__} it "
+                  "all-reduces every gradient across replicas in one op; wrap without "
+                  "release_gradients_early")
+    elif not hasattr(type(optimizer), _KERAS_GRADIENT_SUM):
+        reason = (f"this Keras has no {type(optimizer).__name__}.{_KERAS_GRADIENT_SUM}, the "
+                  "one-op sum over replicas that the wrapped step skips; wrap without "
+                  "release_gradients_early, and please report the Keras version")
+    else:
+        return
+    raise errors.InvalidArgumentError(
+        f"release_gradients_early: the optimizer {type(optimizer).__name__} cannot update the "
+        f"weights one by one: {reason}.")
+
+
+#: The Keras 3 TensorFlow optimizer's sum of the gradients over replicas (private API): one op
+#: over all of them, even outside a strategy; the early-release step skips it.
+_KERAS_GRADIENT_SUM = "_all_reduce_sum_gradients"
 
 
 def _apply_releasing_early(model, loss, checkpoints, fallback) -> None:
-    from memsave_grads import optimize  # pylint: disable=import-outside-toplevel
-    from memsave_grads._tf import early_release  # pylint: disable=import-outside-toplevel
-    _check_early_release(model, KERAS3)
+    keras, _ = _import_keras3()
     optimizer = model.optimizer
     variables = list(model.trainable_weights)
     graph = tf.compat.v1.get_default_graph()
@@ -364,14 +388,11 @@ def _apply_releasing_early(model, loss, checkpoints, fallback) -> None:
     apply_floor = early_release.last_op_id(graph)
     # Outside a strategy the sum over one replica is the gradients themselves, but Keras builds
     # it as one op over all of them, which would hold every gradient until the last is
-    # complete (what experimental_aggregate_gradients=False skips in tf_keras). A strategy is
-    # refused in _check_early_release.
-    object.__setattr__(optimizer, "_all_reduce_sum_gradients", list)
-    try:
+    # complete (what experimental_aggregate_gradients=False skips in tf_keras). train_step
+    # refused strategies (_check_early_release) before tracing.
+    with _overridden([(optimizer, _KERAS_GRADIENT_SUM, list)]):
         optimizer.apply_gradients(zip(grads, variables))
-    finally:
-        del optimizer.__dict__["_all_reduce_sum_gradients"]
-    tf_variables = [getattr(v, "value", v) for v in variables]
+    tf_variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
     handles = [tf.convert_to_tensor(v.handle) for v in tf_variables]
     optimize.order_updates_early(loss, tf_variables, handles, grads, grad_floor, apply_floor,
                                  type(optimizer).__name__, "memsave_grads.keras")
@@ -679,9 +700,16 @@ def trace_training_step(model, on_loss, batch_size: int = 32,
             lambda v: tf.TensorSpec.from_tensor(tf.convert_to_tensor(v)), (x, y))
     results = []
 
+    step = model.__dict__.get("train_step")
+    wanted = step.recompute_cells if isinstance(step, _WrappedTrainStep) else True
+    # As the wrapped step traces it (design note "recurrent layers"): not under XLA, which
+    # fit's step has with jit_compile=True (and "auto" on a GPU) but this trace does not.
+    jit = getattr(model, "jit_compile", False)
+    wanted = wanted and not (jit is True or (jit == "auto" and tf.config.list_logical_devices(
+        "GPU")))
+
     def trace(x, y):
-        # As wrap_model's step traces it (design note "recurrent layers").
-        cells = recomputed_recurrent_cells(model) if _recompute_cells_here(model, True) \
+        cells = recomputed_recurrent_cells(model) if _recompute_cells_here(model, wanted) \
             else contextlib.nullcontext()
         with cells:
             _, loss = _forward_and_loss(model, version, x, y, None)

@@ -33,10 +33,11 @@ def _optimizer_family(optimizer) -> str:
     if "keras" in packages:
         raise errors.InvalidTypeError(
             f"optimizer: got a Keras 3 optimizer ({type(optimizer).__name__}; tf.keras is Keras 3 "
-            "in TF >= 2.16). It cannot update variables one by one: its apply step all-reduces "
-            "every gradient in one op, so all gradients are alive until every one is complete. "
-            "Use a Keras 2 optimizer (tf_keras.optimizers.*, pip install tf-keras) or a "
-            "tf.compat.v1.train optimizer, or memsave_grads.gradients + apply_gradients.")
+            "in TF >= 2.16), which minimize() does not take: its apply step sums every "
+            "gradient in one op, so all gradients would be alive until every one is complete. "
+            "For Keras 3's fit use memsave_grads.wrap_model(model, release_gradients_early="
+            "True), which skips that sum; here, a Keras 2 optimizer (tf_keras.optimizers.*) or a "
+            "tf.compat.v1.train optimizer.")
     raise errors.InvalidTypeError(
         f"optimizer: expected a tf.compat.v1.train.Optimizer (GradientDescentOptimizer, "
         f"AdamOptimizer, MomentumOptimizer, ...) or a Keras 2 optimizer "

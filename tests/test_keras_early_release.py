@@ -6,7 +6,7 @@ gradients needed at once) refused before anything is traced."""
 
 import numpy as np
 import pytest
-import tensorflow as tf  # noqa: F401  (TensorFlow loaded at the top, as conftest expects)
+import tensorflow as tf
 
 from memsave_grads import errors
 from memsave_grads import measure
@@ -52,6 +52,7 @@ def test_weights_and_iterations_match_stock_fit(optimizer_name, checkpoints):
     stock, stock_loss = _fit(optimizer_name)
     keras.backend.clear_session(free_memory=False)
     ours, loss = _fit(optimizer_name, checkpoints=checkpoints, release_gradients_early=True)
+    assert "_all_reduce_sum_gradients" not in ours.optimizer.__dict__  # put back after the trace
     assert int(ours.optimizer.iterations.numpy()) == int(stock.optimizer.iterations.numpy()) == 8
     np.testing.assert_allclose(loss, stock_loss, rtol=1e-5)
     for i, (a, e) in enumerate(zip(ours.get_weights(), stock.get_weights())):
@@ -84,19 +85,30 @@ def test_a_weight_dominated_step_peaks_lower():
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * np.abs(e).max())
 
 
-@pytest.mark.parametrize("optimizer,match", [
+@pytest.mark.parametrize("optimizer,match,remedy", [
     (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
-     "LossScaleOptimizer, which checks that every gradient is finite"),
-    (lambda: keras.optimizers.Adam(global_clipnorm=1.0), "global_clipnorm scales every gradient"),
+     "LossScaleOptimizer, which checks that every gradient is finite", "train in float32"),
+    (lambda: keras.optimizers.Adam(global_clipnorm=1.0), "global_clipnorm scales every gradient",
+     "use clipnorm or clipvalue"),
     (lambda: keras.optimizers.SGD(gradient_accumulation_steps=2),
-     "gradient_accumulation_steps adds the gradients up"),
+     "gradient_accumulation_steps adds the gradients up", "with a larger batch"),
 ])
-def test_what_needs_every_gradient_at_once_is_refused(optimizer, match):
+def test_what_needs_every_gradient_at_once_is_refused(optimizer, match, remedy):
     model = _mlp(optimizer())
     with pytest.raises(errors.InvalidArgumentError, match=match) as caught:
         wrap_model(model, release_gradients_early=True)
-    assert isinstance(caught.value, ValueError) and "clipnorm or clipvalue" in str(caught.value)
+    assert isinstance(caught.value, ValueError) and remedy in str(caught.value)
     assert "train_step" not in model.__dict__  # nothing wrapped
+
+
+def test_a_model_built_under_a_strategy_is_refused_outside_its_scope():
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        model = _mlp(keras.optimizers.SGD(0.1))
+    with pytest.raises(errors.InvalidArgumentError, match="under OneDeviceStrategy"):
+        wrap_model(model, release_gradients_early=True)
+    with strategy.scope(), pytest.raises(errors.InvalidArgumentError, match="all-reduces"):
+        wrap_model(model, release_gradients_early=True)
 
 
 def test_tf_keras_is_pointed_to_minimize_and_flags_must_be_bools():

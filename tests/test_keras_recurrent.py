@@ -51,6 +51,10 @@ def _recurrent_model(kind, steps, units=8, features=6, classes=4, jit_compile=Fa
     return model
 
 
+#: Recurrent cells per model: a Bidirectional layer runs two, StackedRNNCells is one cell.
+CELLS = {"lstm_stack": 2, "gru": 1, "bidirectional_simple_rnn": 2, "rnn_of_stacked_cells": 1}
+
+
 def _trained_weights(kind, wrapped, steps=12, jit_compile=False, **wrap_kwargs):
     model = _recurrent_model(kind, steps, jit_compile=jit_compile)
     if wrapped:
@@ -81,7 +85,10 @@ def test_wrapped_recurrent_layers_train_as_stock_fit(kind, recomputed_calls):
     assert recomputed_calls == []
     keras.backend.clear_session(free_memory=False)
     _, loss, ours = _trained_weights(kind, wrapped=True)
-    assert recomputed_calls, "no cell was recomputed inside its loop"
+    cells = CELLS[kind]
+    # One recompute() per cell per trace: every cell's loop, not just one, recomputes.
+    assert recomputed_calls and len(recomputed_calls) % cells == 0, (recomputed_calls, cells)
+    assert len(recomputed_calls) >= cells
     np.testing.assert_allclose(loss, plain_loss, rtol=1e-5)
     for i, (a, e) in enumerate(zip(ours, plain)):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * np.abs(e).max(),
@@ -97,7 +104,7 @@ def test_under_xla_the_cells_are_left_as_keras_builds_them(recomputed_calls, cap
     with caplog.at_level("WARNING"):
         model, loss, ours = _trained_weights("lstm_stack", wrapped=True, jit_compile=True)
     assert model.jit_compile is True and recomputed_calls == []
-    assert caplog.text.count("compiled with XLA (jit_compile)") == 1, caplog.text
+    assert caplog.text.count("step is compiled by XLA") == 1, caplog.text
     np.testing.assert_allclose(loss, plain_loss, rtol=1e-4)
     for i, (a, e) in enumerate(zip(ours, plain)):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-4 * np.abs(e).max(),

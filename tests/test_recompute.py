@@ -208,3 +208,22 @@ def test_bad_input(graph):
     with pytest.raises(mg.UnsupportedGraphError, match="stateless"):
         recompute(logs_activations)(x)
     assert len(graph.get_operations()) > before  # the forward ops exist; nothing else ran
+
+
+def test_a_value_captured_from_outside_the_loop_is_read_not_copied():
+    """A loop body captures a value of the enclosing function (Keras 3 makes its dropout masks
+    so) as a placeholder of the body graph; a copy of that placeholder would be an unfed input
+    ("You must feed a value for placeholder tensor"). It is read, never replayed."""
+    rng = np.random.RandomState(3)
+    x = tf.constant(rng.randn(4, 8).astype(np.float32))
+    w = tf.Variable(rng.randn(8, 8).astype(np.float32) / 3)
+
+    @tf.function
+    def gradients_of(wrapper):
+        mask = tf.cast(tf.random.stateless_uniform([8], seed=[1, 2]) > 0.5, tf.float32)
+        step = wrapper(lambda h: tf.tanh(tf.matmul(h, w) * mask))
+        _, h = tf.while_loop(lambda i, h: i < 5, lambda i, h: (i + 1, step(h)),
+                             (tf.constant(0), x))
+        return tf.gradients(tf.reduce_sum(h * h), [x, w])
+
+    assert_grads_close(gradients_of(recompute), gradients_of(lambda fn: fn))

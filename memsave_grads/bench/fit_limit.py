@@ -33,8 +33,8 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
-import re
 import os
+import re
 import sys
 import time
 from typing import Callable, Sequence

@@ -60,12 +60,12 @@ def is_expensive_op_type(op_type: str) -> bool:
 # Buffers
 # --------------------------------------------------------------------------------------------
 
-#: Op types whose output is an alias of memory that exists anyway (a variable's buffer, a
-#: constant, a fed value): it costs no bytes and no FLOPs in the memory model.
 #: Ops whose value is given from outside the graph (a feed, or a function graph's argument or
 #: capture). A copy of one is a new, unfed input: it is never replayed, its value is read.
 FEED_OP_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault"})
 
+#: Op types whose output is an alias of memory that exists anyway (a variable's buffer, a
+#: constant, a fed value): it costs no bytes and no FLOPs in the memory model.
 ALIAS_OP_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "Placeholder", "Const"})
 
 #: Op types whose (single) output always shares its input's buffer: no new memory, and while

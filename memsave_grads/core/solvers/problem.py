@@ -77,7 +77,7 @@ def infeasible(problem: BudgetProblem, smallest_peak_bytes: int,
         f"({smallest_peak_bytes} bytes, {_share(smallest_peak_bytes, plain_bytes)} of plain "
         f"tf.gradients' {budgets.format_bytes(plain_bytes)}; static memory model, "
         f"solver {solver!r}). "
-        f"Raise the budget to at least that ({_as_budget(smallest_peak_bytes, plain_bytes)}), "
+        f"Raise the budget to at least that ({_as_budget(smallest_peak_bytes, plain_bytes, solver)}), "
         f"or reduce the batch size.")
     error.min_feasible_bytes = smallest_peak_bytes
     error.budget_bytes = problem.budget_bytes
@@ -85,13 +85,19 @@ def infeasible(problem: BudgetProblem, smallest_peak_bytes: int,
     return error
 
 
-def _as_budget(nbytes: int, plain_bytes: int) -> str:
-    """The smallest feasible budget as the user would write it: a percentage of tf.gradients'
-    peak rounded up to a whole percent (the strings "budget:NN%" and Budget(fraction=) take)."""
-    if plain_bytes <= 0:
-        return f"checkpoints=Budget(bytes={nbytes})"
-    percent = -(-100 * nbytes // plain_bytes)  # ceiling: a rounded-down budget is infeasible
-    return f"checkpoints=\"budget:{percent}%\", or Budget(bytes={nbytes})"
+def _as_budget(nbytes: int, plain_bytes: int, solver: str) -> str:
+    """The smallest feasible budget as the user would write it: the smallest whole percentage
+    of tf.gradients' peak that resolves (``Budget.resolve_bytes``) to at least ``nbytes``,
+    with the solver that found it."""
+    suffix = "" if solver == budgets.DEFAULT_SOLVER else f":{solver}"
+    percent = -(-100 * nbytes // plain_bytes) if plain_bytes > 0 else 101
+    while percent <= 100 and budgets.Budget(fraction=percent / 100).resolve_bytes(
+            plain_bytes) < nbytes:
+        percent += 1  # int(fraction * plain) may round a byte below
+    if percent > 100:  # a fraction is at most 1: no plan peaks below tf.gradients here
+        return f"checkpoints=Budget(bytes={nbytes}, solver={solver!r})"
+    return (f"checkpoints=\"budget:{percent}%{suffix}\", or "
+            f"Budget(bytes={nbytes}, solver={solver!r})")
 
 
 def _share(nbytes: int, plain_bytes: int) -> str:
