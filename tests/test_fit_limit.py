@@ -144,3 +144,24 @@ def test_a_keras_failure_is_reported_by_its_cause():
         "The custom_gradient decorator currently supports keywords arguments only when eager "
         "execution is enabled. (in Functional.call())")
     assert fit_limit._error_line(RuntimeError("plain\nmore")) == "plain"  # pylint: disable=protected-access
+
+
+def test_a_try_with_early_release_wraps_the_model_so(monkeypatch):
+    """`--release-gradients-early` adds "<strategy> + early release": the try (here in this
+    process) wraps the Keras model with release_gradients_early=True; a step callable is told
+    that early release is for Keras models."""
+    from memsave_grads import api  # pylint: disable=import-outside-toplevel
+    from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(api, "gradients_or_fallback", api.gradients_or_fallback)  # restored
+    wrapped = []
+    real_wrap = keras_lib.wrap_model
+    monkeypatch.setattr(mg, "wrap_model", lambda model, **kw: wrapped.append(kw) or real_wrap(
+        model, **kw))
+    request = {"source": f"{MODELS}:residual_mlp", "batch_size": 8, "sequence_length": None,
+               "limit_mib": 4096, "steps": 1, "method": "memory" + fit_limit.EARLY_RELEASE}
+    result = fit_limit._try_here(request)  # pylint: disable=protected-access
+    assert result["fits"], result
+    assert wrapped == [{"checkpoints": "memory", "fallback": "warn",
+                        "release_gradients_early": True}]
+    step = dict(request, source=f"{MODELS}:tanh_chain_step")
+    assert "Keras models only" in fit_limit._try_here(step)["error"]  # pylint: disable=protected-access

@@ -258,6 +258,8 @@ def solvers_command(args: argparse.Namespace) -> int:
 def fit_limit_command(args: argparse.Namespace) -> int:
     """``fit-limit``: the largest size per method under the limit; table (+ PNG)."""
     methods = [fit_limit.PLAIN, *args.checkpoints]
+    if args.release_gradients_early:
+        methods += [f"{m}{fit_limit.EARLY_RELEASE}" for m in args.checkpoints]
     if args.keras_remat:
         methods.append(fit_limit.KERAS_REMAT)
     dimension = "batch" if args.vary == "batch" else "sequence length"

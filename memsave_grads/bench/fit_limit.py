@@ -46,6 +46,8 @@ from memsave_grads.bench import tables
 #: The reference method's name, and Keras 3's own rematerialisation.
 PLAIN = "tf.gradients"
 KERAS_REMAT = "keras.RematScope"
+#: Appended to a strategy's name: the same under wrap_model(..., release_gradients_early=True).
+EARLY_RELEASE = " + early release"
 #: The allocator cap on CPU, read once when TensorFlow's CPU allocator starts.
 CPU_LIMIT_ENV = "TF_CPU_BFC_MEM_LIMIT_IN_MB"
 
@@ -207,7 +209,9 @@ def _try_here(request: dict) -> dict:
             kind, target, data = build(*arguments)
         if kind == "keras":
             if method not in (PLAIN, KERAS_REMAT):
-                mg.wrap_model(target, checkpoints=method, fallback="warn")
+                strategy = method.removesuffix(EARLY_RELEASE)
+                mg.wrap_model(target, checkpoints=strategy, fallback="warn",
+                              release_gradients_early=strategy != method)
             x, y = data
 
             def run():
@@ -215,6 +219,9 @@ def _try_here(request: dict) -> dict:
         else:
             if method == KERAS_REMAT:
                 return {"fits": False, "error": "keras.RematScope applies to Keras models only"}
+            if method.endswith(EARLY_RELEASE):
+                return {"fits": False, "error": "early release applies to Keras models only "
+                        "(for a step, call memsave_grads.minimize in it)"}
             if method != PLAIN:
                 mg.patch(method)
                 patched = True
