@@ -1,4 +1,4 @@
-"""The README's headline models, as a user hands them to the fit-limit command:
+"""The README headline's models (and docs/budgets.md's), as a user hands them to fit-limit:
 
     python -m memsave_grads fit-limit examples/fit_limit_models.py:resnet50 --limit-mib 600 \\
         --checkpoints memory --keras-remat --plot resnet50.png
@@ -71,4 +71,15 @@ def lstm(batch_size, steps=200, features=64, units=256):
     model = keras.Model(inputs, keras.layers.Dense(10)(h))
     model.compile(optimizer=keras.optimizers.Adam(1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def efficientnet_b0(batch_size, image_size=64, classes=100):
+    """keras.applications.EfficientNetB0 (5.3 M weights, random init) on 64 x 64 images."""
+    del batch_size
+    keras.utils.set_random_seed(0)
+    model = keras.applications.EfficientNetB0(weights=None, classes=classes,
+                                              input_shape=(image_size, image_size, 3))
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy())
     return model

@@ -95,6 +95,7 @@ def test_a_try_in_its_own_process_fits_or_runs_out_of_memory_under_the_cap():
     fits = fit_limit.attempt(step, "memory", 64, limit_mib=48, steps=1)
     assert fits.fits, fits
     assert 0 < fits.peak_bytes <= 48 * measure.MIB and fits.step_seconds > 0
+    assert 0 < fits.step_peak_bytes < fits.peak_bytes  # the weights were in use before
     too_large = fit_limit.attempt(step, fit_limit.PLAIN, 8192, limit_mib=48, steps=1)
     assert not too_large.fits and too_large.out_of_memory, too_large
 
@@ -125,7 +126,8 @@ def test_fit_limit_command_finds_a_larger_batch_with_memsave(tmp_path):
 
 @pytest.mark.parametrize("name,kwargs", [
     ("resnet50", {"image_size": 32}), ("transformer_encoder", {"layers": 1, "sequence": 16}),
-    ("gpt_decoder", {"layers": 1, "sequence": 16}), ("lstm", {"steps": 6, "units": 8})])
+    ("gpt_decoder", {"layers": 1, "sequence": 16}), ("lstm", {"steps": 6, "units": 8}),
+    ("efficientnet_b0", {"image_size": 32})])
 def test_the_readme_models_build_and_plan(name, kwargs):
     """examples/fit_limit_models.py (the README headline's models), smaller: each builds a
     compiled Keras 3 model whose training step memsave_grads plans (traced, not run)."""

@@ -60,6 +60,9 @@ class Attempt:
     size: int
     fits: bool
     peak_bytes: int | None = None
+    #: the peak above what was in use when the step started (weights, optimizer state, data):
+    #: what the step itself allocates, which a memory budget is about.
+    step_peak_bytes: int | None = None
     step_seconds: float | None = None
     error: str = ""
     out_of_memory: bool = False
@@ -232,14 +235,16 @@ def _try_here(request: dict) -> dict:
                 "the step never called tf.gradients, so memsave_grads never saw it "
                 "(patch() does not reach tf.GradientTape: call tf.gradients or "
                 "memsave_grads.gradients in the step)")}
-        peaks, seconds = [], []
+        peaks, step_peaks, seconds = [], [], []
         for _ in range(request["steps"]):
             tf.config.experimental.reset_memory_stats(device)
+            before = tf.config.experimental.get_memory_info(device)["current"]
             start = time.perf_counter()
             result = run()
             _ = [float(v) for v in tf.nest.flatten(result) if hasattr(v, "__float__")]
             seconds.append(time.perf_counter() - start)
             peaks.append(tf.config.experimental.get_memory_info(device)["peak"])
+            step_peaks.append(peaks[-1] - before)
     except tf.errors.ResourceExhaustedError as e:
         lines = str(e).strip().splitlines() or ["out of memory"]
         line = next((x for x in lines if "OOM" in x), lines[0])
@@ -250,7 +255,8 @@ def _try_here(request: dict) -> dict:
         if patched:
             mg.unpatch()
     seconds.sort()
-    return {"fits": True, "peak_bytes": max(peaks), "step_seconds": seconds[len(seconds) // 2]}
+    return {"fits": True, "peak_bytes": max(peaks), "step_peak_bytes": max(step_peaks),
+            "step_seconds": seconds[len(seconds) // 2]}
 
 
 def attempt(source: str, method: str, batch_size: int, limit_mib: int,
