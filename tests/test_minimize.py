@@ -167,9 +167,11 @@ def _wide_peak_mib(build_train_op, opt_name="adam", runs=3):
 def test_one_weight_gradient_alive_at_a_time(opt_name):
     ours = _wide_peak_mib(lambda loss, ws, opt: minimize(loss, opt, checkpoints="memory"),
                           opt_name)
-    # One gradient plus scratch: 16-17 MiB on an idle machine; 21.5 MiB (Adam) was seen once
-    # with the other core busy. Two live gradients would be 32 MiB.
-    assert ours <= 1.5 * GRAD_MIB, f"minimize peaked at {ours:.1f} MiB"
+    # One gradient plus scratch: 16-17 MiB on an idle machine. With the other core busy the
+    # allocator may serve the 16 MiB from a larger free chunk it does not split (21.5 MiB with
+    # Adam once, 26.7 with SGD once, both in a full test run): bounded by what is ruled out,
+    # two live gradients (32 MiB).
+    assert ours < 2 * GRAD_MIB, f"minimize peaked at {ours:.1f} MiB"
     all_grads = _wide_peak_mib(
         lambda loss, ws, opt: opt.minimize(loss, gate_gradients=opt.GATE_GRAPH), opt_name)
     assert all_grads >= WIDE_DEPTH * GRAD_MIB, f"GATE_GRAPH peaked at {all_grads:.1f} MiB"

@@ -268,6 +268,16 @@ def test_canary_variable_helpers():
                  "ops.convert_to_tensor(as_ref=True)", f"gave {ref_tensor.dtype}, not float32_ref")
 
 
+def test_canary_onednn_switch():
+    """graph.py asks whether oneDNN runs the CPU kernels (its convolution gradients allocate no
+    scratch, the Eigen ones tens of MiB)."""
+    from tensorflow.python.util import _pywrap_util_port  # pylint: disable=import-outside-toplevel
+    is_enabled = getattr(_pywrap_util_port, "IsMklEnabled", None)
+    _require(callable(is_enabled), "_pywrap_util_port.IsMklEnabled", "missing")
+    _require(isinstance(is_enabled(), bool), "_pywrap_util_port.IsMklEnabled",
+             f"returned {is_enabled()!r}, not a bool")
+
+
 # --- metadata, py.typed, --version ---------------------------------------------------------
 
 def test_installed_metadata_matches_pyproject():

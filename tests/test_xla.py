@@ -8,15 +8,11 @@ the peaks below are the allocator's byte counts, deterministic for a given progr
 with headroom, not timings.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import children
 import memsave_grads as mg
 from conftest import assert_grads_close
 from memsave_grads import measure
@@ -127,7 +123,7 @@ def test_keras3_fit_under_xla_saves_memory():
     keras = pytest.importorskip("keras")
     if not keras.__version__.startswith("3"):
         pytest.skip("Keras 3 is not installed")
-    stock, wrapped = (_run_child(_KERAS3_STEP, kind) for kind in ("stock", "wrapped"))
+    stock, wrapped = (children.run_json(_KERAS3_STEP, kind) for kind in ("stock", "wrapped"))
     assert stock["jit_compile"] is True and wrapped["jit_compile"] is True
     np.testing.assert_allclose(wrapped["predictions"], stock["predictions"], rtol=1e-4,
                                atol=1e-5)
@@ -171,17 +167,6 @@ def test_second_order_under_xla():
     np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12 * np.abs(expected).max())
 
 
-def _run_child(code: str, *args: str) -> dict:
-    """Run ``code`` in a fresh Python (BFC allocator on, one large heap region reserved; see
-    ``measure.reserve_cpu_heap``) and return the JSON it prints last."""
-    preamble = ("import os\nos.environ['TF_CPU_ALLOCATOR_USE_BFC'] = 'true'\n"
-                "from memsave_grads import measure\nmeasure.reserve_cpu_heap()\n")
-    proc = subprocess.run([sys.executable, "-c", preamble + code, *args], capture_output=True,
-                          text=True, check=False, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 _RECOMPUTED_LSTM_STEP = """
 import json, sys
 import numpy as np
@@ -219,7 +204,8 @@ def test_recompute_in_a_while_loop_under_xla():
     4.8 MiB recomputed; under XLA at 129 and 111 MiB: the same ~20 MiB of stored gates is
     saved, but XLA's lowering of the loop holds ~100 MiB of its own, which recomputation
     cannot touch. The bound is on the bytes saved."""
-    plain, ours = (_run_child(_RECOMPUTED_LSTM_STEP, kind) for kind in ("plain", "recompute"))
+    plain, ours = (children.run_json(_RECOMPUTED_LSTM_STEP, kind)
+                   for kind in ("plain", "recompute"))
     assert_grads_close([np.array(ours["grad"])], [np.array(plain["grad"])])
     assert plain["peak"] - ours["peak"] >= 15 * MIB, (ours["peak"] / MIB, plain["peak"] / MIB)
 

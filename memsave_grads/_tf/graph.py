@@ -16,6 +16,7 @@ from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gradients_impl
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.util import _pywrap_util_port
 
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import op_types
@@ -330,6 +331,17 @@ def is_expensive(op: tf.Operation) -> bool:
     """A matmul/convolution/einsum op, or a call of a function that runs one: what the
     ``"speed"`` policy keeps, and what the planners prefer to keep (``ForwardGraph.expensive``)."""
     return policies.keeps_for_speed(op_types_run(op))
+
+
+def onednn_in_effect() -> bool:
+    """Whether this process runs TensorFlow's CPU kernels through oneDNN.
+
+    TensorFlow decides once per process, from ``TF_ENABLE_ONEDNN_OPTS`` or, unset, from the
+    CPU (on by default on x86 CPUs with AVX-512 VNNI/BF16 or AMX). It matters for memory: the
+    oneDNN convolution gradients allocate no im2col scratch, the Eigen ones tens of MiB
+    (``memory_model.conv2d_gradient_workspace_bytes``).
+    """
+    return bool(_pywrap_util_port.IsMklEnabled())
 
 
 def tensor_bytes(t: tf.Tensor) -> int:

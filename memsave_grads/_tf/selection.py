@@ -89,9 +89,10 @@ class SelectionContext:
 
 
 def _conv2d_workspace_bytes(op: tf.Operation, differentiable: Callable[[tf.Tensor], bool]) -> int:
-    """Scratch of ``op``'s gradient kernels when it is a 2-D convolution with static shapes,
-    else 0 (memory_model.conv2d_gradient_workspace_bytes)."""
-    if op.type != "Conv2D":
+    """Scratch of ``op``'s gradient kernels when it is a 2-D convolution with static shapes
+    run by TensorFlow's Eigen CPU kernels, else 0 (memory_model.conv2d_gradient_workspace_bytes;
+    the oneDNN kernels allocate none: tf_graph.onednn_in_effect)."""
+    if op.type != "Conv2D" or tf_graph.onednn_in_effect():
         return 0
     image, kernel = op.inputs[0], op.inputs[1]
     output_shape, kernel_shape = op.outputs[0].shape, kernel.shape
