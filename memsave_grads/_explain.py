@@ -169,7 +169,7 @@ def _is_keras_model(value) -> bool:
 @tf.autograph.experimental.do_not_convert
 def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "memory", *,
             batch_size: int = 32, sequence_length: int | None = None, data=None,
-            **tf_gradients_kwargs) -> PlanReport:
+            release_gradients_early: bool = False, **tf_gradients_kwargs) -> PlanReport:
     """What ``gradients(ys, xs, checkpoints=checkpoints)`` would keep, recompute, and peak at.
 
     Takes the arguments of :func:`memsave_grads.gradients` (``grad_ys`` does not change the
@@ -179,6 +179,9 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
     step of it, as ``wrap_model(model, checkpoints)`` would make it, for a batch of
     ``batch_size`` examples (shapes from the model's inputs, outputs and loss; an unknown
     sequence dimension is ``sequence_length``), or of the arrays ``data=(x, y)``. Nothing runs.
+    The weight gradients count as the step holds them: all alive until the optimizer applies
+    them, or one at a time with ``release_gradients_early=True`` (as
+    ``wrap_model(model, release_gradients_early=True)``, which a wrapped model also tells).
 
     Example::
 
@@ -194,9 +197,19 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
                 "the variables instead of the model).")
         from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
         _validate_batch_size(batch_size)
+        if not isinstance(release_gradients_early, bool):
+            raise errors.InvalidTypeError(
+                f"release_gradients_early: expected True or False, got "
+                f"{type(release_gradients_early).__name__}: {release_gradients_early!r:.60}.")
         return keras_lib.trace_training_step(
             ys, lambda loss, weights: explain(loss, weights, checkpoints),
-            batch_size=batch_size, sequence_length=sequence_length, data=data)
+            batch_size=batch_size, sequence_length=sequence_length, data=data,
+            release_gradients_early=release_gradients_early)
+    if release_gradients_early:
+        raise errors.InvalidArgumentError(
+            "release_gradients_early: applies to explain(model), the plan of a Keras model's "
+            "training step; the gradients of a loss tensor are planned as used up at once. "
+            "Leave it out, or pass the model.")
     if xs is None:
         raise errors.InvalidArgumentError(
             "xs: expected the tensors or variables to differentiate with respect to (or a "

@@ -3,6 +3,8 @@ the never-worse decision -> run the plan's schedule (``_tf.stitch``)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +33,27 @@ Sources = tf.Tensor | tf.Variable | Sequence[tf.Tensor | tf.Variable]
 Checkpoints = str | budgets.Budget | Sequence[tf.Tensor | str] | None
 #: What tf.gradients returns: one gradient per x, None where y does not depend on it.
 Gradients = list[tf.Tensor | tf.IndexedSlices | None]
+
+
+#: Whether the gradients being planned stay alive together until an optimizer applies them all
+#: (see :func:`gradients_applied_together`).
+_GRADIENTS_HELD = contextvars.ContextVar("memsave_grads_gradients_held", default=False)
+
+
+@contextlib.contextmanager
+def gradients_applied_together():
+    """Plan the ``gradients()`` calls inside for an optimizer that applies all the gradients
+    together, after the backward pass (Keras ``fit``: its optimizer sums them over replicas in
+    one op first), so that every weight gradient stays alive to the end of the pass
+    (``ForwardGraph.gradients_held``). Outside it, each gradient is taken to be used up as soon
+    as it is complete, as v1 optimizers' per-variable updates and ``minimize`` use them. Only
+    the predicted peaks change (budgets, the never-worse rule, ``explain``); the gradients do
+    not."""
+    token = _GRADIENTS_HELD.set(True)
+    try:
+        yield
+    finally:
+        _GRADIENTS_HELD.reset(token)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -211,7 +234,8 @@ def _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
         region = tf_graph.forward_region(ys, xs, stop_ops={t.op for t in user_stops})
         must_keep = selection.forced_keep(region, xs)
         ctx = selection.SelectionContext(graph=graph, region=region, xs=xs, ys=ys,
-                                       must_keep=must_keep)
+                                         must_keep=must_keep,
+                                         gradients_held=_GRADIENTS_HELD.get())
         # No forward op between xs and ys (ys do not depend on xs): nothing to choose; the
         # gradients are None (or zeros), as tf.gradients gives.
         plan = (selection.make_plan(ctx, checkpoints) if select and region

@@ -154,9 +154,14 @@ def _check_model(model, version: str, action: str) -> None:
 # The training step
 # --------------------------------------------------------------------------------------------
 
-def _gradients(loss, variables, checkpoints, fallback):
-    return api.gradients_or_fallback(loss, variables, None, checkpoints, fallback,
-                                     "memsave_grads.keras")
+def _gradients(loss, variables, checkpoints, fallback, applied_together: bool = True):
+    """The gradients of ``loss``, planned for an optimizer that applies them together (the
+    stock step's, which holds every weight gradient until the last is done: measured on
+    tf_keras and on Keras 3 with momentum, Adam and AdamW) unless not ``applied_together``
+    (the early-release step)."""
+    with api.gradients_applied_together() if applied_together else contextlib.nullcontext():
+        return api.gradients_or_fallback(loss, variables, None, checkpoints, fallback,
+                                         "memsave_grads.keras")
 
 
 def _check_step(model) -> None:
@@ -320,8 +325,9 @@ def _train_step_keras3(model, data, checkpoints, fallback, recompute_cells,
     # pylint: enable=protected-access
     if model.optimizer is not None:
         loss = model.optimizer.scale_loss(loss)
-    if model.trainable_weights and release_gradients_early:
-        _apply_releasing_early(model, loss, checkpoints, fallback)
+    if model.trainable_weights and _updates_wait_for_gradients(model, KERAS3,
+                                                                release_gradients_early):
+        _apply_releasing_early(model, loss, checkpoints, fallback, release_gradients_early)
     elif model.trainable_weights:
         variables = list(model.trainable_weights)
         grads = _gradients(loss, variables, checkpoints, fallback)
@@ -344,6 +350,15 @@ def _check_early_release(model, version: str) -> None:
             "release_gradients_early: wrap_model releases gradients early for Keras 3 "
             "optimizers; for tf_keras call memsave_grads.minimize(loss, model.optimizer, "
             "model.trainable_variables) from your train_step (docs/minimize.md).")
+    reason = _early_release_refusal(model)
+    if reason is not None:
+        raise errors.InvalidArgumentError(
+            f"release_gradients_early: the optimizer {type(model.optimizer).__name__} cannot "
+            f"update the weights one by one: {reason}.")
+
+
+def _early_release_refusal(model) -> str | None:
+    """Why a Keras 3 model's optimizer cannot update its weights one by one, or None."""
     keras, _ = _import_keras3()
     optimizer = model.optimizer
     strategy = getattr(model, "distribute_strategy", None)
@@ -367,10 +382,22 @@ def _check_early_release(model, version: str) -> None:
                   "one-op sum over replicas that the wrapped step skips; wrap without "
                   "release_gradients_early, and please report the Keras version")
     else:
-        return
-    raise errors.InvalidArgumentError(
-        f"release_gradients_early: the optimizer {type(optimizer).__name__} cannot update the "
-        f"weights one by one: {reason}.")
+        reason = None
+    return reason
+
+
+def _updates_wait_for_gradients(model, version: str, release_gradients_early: bool) -> bool:
+    """Whether the wrapped step builds each weight's update to wait for its own gradient
+    (design note "early release"): always with ``release_gradients_early``, and by default
+    where nothing needs all the gradients at once (Keras 3 outside a strategy, no loss
+    scaling, no global clipping, not under XLA, which drops the edges). Otherwise the
+    optimizer holds every weight gradient until the last is done."""
+    if release_gradients_early:
+        return True
+    if version == KERAS2 or getattr(model, "optimizer", None) is None:
+        return False
+    return (_early_release_refusal(model) is None
+            and not ordering.xla_in_effect(tf.compat.v1.get_default_graph()))
 
 
 #: The Keras 3 TensorFlow optimizer's sum of the gradients over replicas (private API): one op
@@ -378,13 +405,15 @@ def _check_early_release(model, version: str) -> None:
 _KERAS_GRADIENT_SUM = "_all_reduce_sum_gradients"
 
 
-def _apply_releasing_early(model, loss, checkpoints, fallback) -> None:
+def _apply_releasing_early(model, loss, checkpoints, fallback, release_order: bool) -> None:
+    """Gradients, then the optimizer's updates, each waiting for its own gradient; with
+    ``release_order``, also one gradient alive at a time (``optimize.order_updates_early``)."""
     keras, _ = _import_keras3()
     optimizer = model.optimizer
     variables = list(model.trainable_weights)
     graph = tf.compat.v1.get_default_graph()
     grad_floor = early_release.last_op_id(graph)
-    grads = _gradients(loss, variables, checkpoints, fallback)
+    grads = _gradients(loss, variables, checkpoints, fallback, applied_together=False)
     apply_floor = early_release.last_op_id(graph)
     # Outside a strategy the sum over one replica is the gradients themselves, but Keras builds
     # it as one op over all of them, which would hold every gradient until the last is
@@ -395,7 +424,8 @@ def _apply_releasing_early(model, loss, checkpoints, fallback) -> None:
     tf_variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
     handles = [tf.convert_to_tensor(v.handle) for v in tf_variables]
     optimize.order_updates_early(loss, tf_variables, handles, grads, grad_floor, apply_floor,
-                                 type(optimizer).__name__, "memsave_grads.keras")
+                                 type(optimizer).__name__, "memsave_grads.keras",
+                                 release_order=release_order)
 
 
 def train_step(model, data, checkpoints="memory", fallback: str = "warn",
@@ -680,14 +710,17 @@ def synthetic_batch(model, batch_size: int, sequence_length: int | None = None, 
 
 
 def trace_training_step(model, on_loss, batch_size: int = 32,
-                        sequence_length: int | None = None, data=None):
+                        sequence_length: int | None = None, data=None,
+                        release_gradients_early: bool = False):
     """Calls ``on_loss(loss, trainable_weights)`` inside a trace of one training step of a
     Keras model and returns what it returns; nothing runs and no variable changes.
 
     The forward pass and loss are traced as the model's ``train_step`` makes them, for a batch
     of ``batch_size`` (shapes from :func:`batch_specs`) or of the arrays or tensors of
-    ``data=(x, y)``. :func:`memsave_grads.explain` uses it to plan a model's step; taking the
-    work as a callback keeps this module from importing the explainer (which imports it).
+    ``data=(x, y)``; gradients planned inside ``on_loss`` are planned as the step uses them:
+    held for the optimizer, or released early (``release_gradients_early``, or a model wrapped
+    so). :func:`memsave_grads.explain` uses it to plan a model's step; taking the work as a
+    callback keeps this module from importing the explainer (which imports it).
     """
     version = keras_version(model)
     if data is None:
@@ -701,19 +734,23 @@ def trace_training_step(model, on_loss, batch_size: int = 32,
     results = []
 
     step = model.__dict__.get("train_step")
-    wanted = step.recompute_cells if isinstance(step, _WrappedTrainStep) else True
+    wrapped = isinstance(step, _WrappedTrainStep)
+    wanted = step.recompute_cells if wrapped else True
     # As the wrapped step traces it (design note "recurrent layers"): not under XLA, which
     # fit's step has with jit_compile=True (and "auto" on a GPU) but this trace does not.
     jit = getattr(model, "jit_compile", False)
-    wanted = wanted and not (jit is True or (jit == "auto" and tf.config.list_logical_devices(
-        "GPU")))
+    xla = jit is True or (jit == "auto" and bool(tf.config.list_logical_devices("GPU")))
+    wanted = wanted and not xla
+    early = release_gradients_early or (wrapped and step.release_gradients_early)
+    held = xla and not early or not _updates_wait_for_gradients(model, version, early)
 
     def trace(x, y):
         cells = recomputed_recurrent_cells(model) if _recompute_cells_here(model, wanted) \
             else contextlib.nullcontext()
         with cells:
             _, loss = _forward_and_loss(model, version, x, y, None)
-        results.append(on_loss(loss, list(model.trainable_weights)))
+        with api.gradients_applied_together() if held else contextlib.nullcontext():
+            results.append(on_loss(loss, list(model.trainable_weights)))
         return loss
 
     tf.function(trace, autograph=False).get_concrete_function(x_specs, y_specs)

@@ -202,11 +202,13 @@ def minimize(loss: tf.Tensor, optimizer: Any, var_list: Sequence[tf.Variable] | 
 
 def order_updates_early(loss: tf.Tensor, var_list: Sequence, handles: Sequence, grads: Sequence,
                         grad_floor: int, apply_floor: int, optimizer_name: str,
-                        caller: str) -> None:
+                        caller: str, release_order: bool = True) -> None:
     """Add the early-release edges to one training step (design note "early release"):
     ``grads`` of ``loss`` were built after op ``grad_floor``, the optimizer's update ops after
     ``apply_floor``, in the current graph. Shared by :func:`minimize` and Keras 3's
-    ``wrap_model(..., release_gradients_early=True)``."""
+    ``wrap_model``: with ``release_gradients_early=True`` all of them, otherwise
+    (``release_order=False``) only the edges that keep each update's gradient-free terms and
+    writes from running early (``early_release.order_updates``)."""
     step_ops = _step_ancestors(loss)
     updates = []
     for v, h, g in zip(var_list, handles, grads):
@@ -236,7 +238,7 @@ def order_updates_early(loss: tf.Tensor, var_list: Sequence, handles: Sequence, 
     # gradient is created later for layers nearer the input).
     updates.sort(key=lambda u: max(map(tf_graph.creation_index, u.producers), default=0))
     early_release.mark_early_roots(updates)
-    stats = early_release.order_updates(updates, grad_floor)
+    stats = early_release.order_updates(updates, grad_floor, release_order)
     if ordering.xla_in_effect(tf.compat.v1.get_default_graph()):
         # The release order is control edges only: a gradient cannot be made to wait for an
         # earlier variable's *update* through dataflow without reading the updated variable,

@@ -147,9 +147,11 @@ def _add_control_inputs(op: tf.Operation, deps: Sequence[tf.Operation]) -> None:
         op._add_control_inputs(new)  # pylint: disable=protected-access
 
 
-def order_updates(updates: Sequence[VariableUpdate], grad_floor: int) -> dict:
+def order_updates(updates: Sequence[VariableUpdate], grad_floor: int,
+                  release_order: bool = True) -> dict:
     """Add the control inputs that make each update run as soon as its gradient is complete
-    and before the next gradient is allocated; returns counts of edges added and skipped.
+    and (``release_order``) before the next gradient is allocated; returns counts of edges
+    added and skipped.
 
     ``updates`` must be in the order their gradients complete during backprop. Three kinds of
     edges, all into ops newer than ``grad_floor`` (made by this ``minimize`` call):
@@ -162,10 +164,10 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int) -> dict:
     2. *wait for the gradient*: update ops that need no gradient (``momentum * m``, slot and
        step-count reads) wait for the ops computing it; dataflow would run them at the start
        of the step and hold one weight-sized result per variable until its gradient arrives.
-    3. *release before allocate*: the ops allocating the next gradient wait for the update
-       that consumes the previous one, so one weight gradient is alive at a time. Dataflow
-       alone does not do this: the backward pass runs ahead of the updates and several
-       gradients coexist (measured in docs/minimize.md).
+    3. *release before allocate* (only with ``release_order``): the ops allocating the next
+       gradient wait for the update that consumes the previous one, so one weight gradient is
+       alive at a time. Dataflow alone does not do this: the backward pass runs ahead of the
+       updates and several gradients coexist (measured in docs/minimize.md).
 
     An edge that would close a cycle (its source depends on the op that would wait, e.g. a
     weight used by two layers, gamma and beta from one batch-norm gradient op, or gradients
@@ -201,7 +203,7 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int) -> dict:
                 continue
             _add_control_inputs(root, update.producers)
             stats["wait_for_gradient"] += 1
-    for previous, current in zip(updates, updates[1:]):
+    for previous, current in zip(updates, updates[1:]) if release_order else ():
         sinks = _sinks(previous.update_ops)
         if not sinks or not current.producers:
             continue

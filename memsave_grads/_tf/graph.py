@@ -438,8 +438,10 @@ def op_flops(op: tf.Operation) -> float:
 
 
 def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
-                     ys: Sequence[tf.Tensor]) -> graph_lib.ForwardGraph:
-    """The TF-free model of ``region`` (node ``i`` is ``region[i]``).
+                     ys: Sequence[tf.Tensor],
+                     gradients_held: bool = False) -> graph_lib.ForwardGraph:
+    """The TF-free model of ``region`` (node ``i`` is ``region[i]``); ``gradients_held`` as in
+    ``ForwardGraph``.
 
     Variable reads count 0 bytes: their output aliases the variable's buffer, which is resident
     anyway.
@@ -491,4 +493,5 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
                             for u, reads in zip(unread, reads_inputs)),
         forwards=tuple(op_types.forwards_input_buffer(op.type) for op in region),
         no_gradient=tuple(not any(carries_gradients(t) for t in op.outputs) for op in region),
+        gradients_held=gradients_held,
     )

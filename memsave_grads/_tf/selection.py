@@ -39,6 +39,8 @@ class SelectionContext:
     xs: list[tf.Tensor]
     ys: list[tf.Tensor]
     must_keep: set[tf.Operation]
+    #: The gradients of xs stay alive until an optimizer applies them all (ForwardGraph).
+    gradients_held: bool = False
     _model: graph_lib.ForwardGraph | None = None
     _workspace: list[int] | None = None
     _needs_gradient: set | None = None
@@ -46,7 +48,8 @@ class SelectionContext:
     @property
     def model(self) -> graph_lib.ForwardGraph:
         if self._model is None:
-            self._model = tf_graph.to_forward_graph(self.region, self.xs, self.ys)
+            self._model = tf_graph.to_forward_graph(self.region, self.xs, self.ys,
+                                                    self.gradients_held)
         return self._model
 
     @property

@@ -42,6 +42,10 @@ class ForwardGraph:
       no_gradient: the node's outputs carry no gradient (booleans, integers: a comparison
         feeding a ``tf.cond``), so backprop passes nothing to them; empty means every node's
         outputs carry one.
+      gradients_held: the variables' gradients (``param_bytes``) stay alive until the backward
+        pass ends, because an optimizer applies them together (Keras ``fit`` sums them in one
+        op first); False: each is used up at its node's backward step, as v1 optimizers'
+        per-variable updates, ``minimize`` and early release do (design note "memory model").
     """
 
     inputs: tuple[tuple[int, ...], ...]
@@ -58,6 +62,7 @@ class ForwardGraph:
     unread_inputs: tuple[frozenset, ...] = ()
     forwards: tuple[bool, ...] = ()
     no_gradient: tuple[bool, ...] = ()
+    gradients_held: bool = False
 
     def __post_init__(self):
         n = len(self.inputs)

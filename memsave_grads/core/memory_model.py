@@ -72,6 +72,16 @@ class _Ledger:
         self.live -= nbytes
 
 
+def variable_step_bytes(graph: graph_lib.ForwardGraph, v: int) -> int:
+    """Bytes the variables' side of ``v``'s backward step allocates: their gradients and,
+    where each is applied at once, the copies the updates make (an update that runs while this
+    step still reads the variable copies it first: copy-on-write); where the gradients are held
+    for an optimizer that applies them together (``ForwardGraph.gradients_held``), the gradients
+    alone, which then stay."""
+    factor = 1 if graph.gradients_held else VARIABLE_UPDATE_FACTOR
+    return factor * graph.params_of(v)
+
+
 def conv2d_gradient_workspace_bytes(output_pixels: int, window_pixels: int, in_channels: int,
                                     out_channels: int, itemsize: int, filter_gradient: bool,
                                     input_gradient: bool) -> int:
@@ -255,9 +265,9 @@ def _forward(graph, order, consumers, retained, ledger, kept) -> None:
 def _backward_step(graph, v, grads: set, ledger, release_at,
                    workspace_bytes: Sequence[int] | None = None) -> None:
     """Backprop through ``v``: allocate its inputs' gradients and its variables' gradients
-    (applied at once, so only a spike, as is the kernels' scratch), free its own gradient and
-    the outputs no later step reads. Partials for kept nodes stay in ``grads`` until their
-    level."""
+    (a spike where each is applied at once, as is the kernels' scratch; held to the end of the
+    pass where the optimizer applies them together), free its own gradient and the outputs no
+    later step reads. Partials for kept nodes stay in ``grads`` until their level."""
     if v in grads or graph.feeds_sink[v]:
         # An elementwise op's gradient kernel writes one input's gradient into its own buffer.
         reuse = v in grads and graph.forwards_buffer(v)
@@ -269,9 +279,11 @@ def _backward_step(graph, v, grads: set, ledger, release_at,
                     grads.discard(v)  # its buffer now holds p's gradient
                     continue
                 ledger.alloc(graph.size_bytes[p])
-        # The variables' gradients, and the copies their updates make: an update that runs
-        # while this step still reads the variable copies it first (copy-on-write).
-        spike = VARIABLE_UPDATE_FACTOR * graph.params_of(v)
+        # The variables' gradients stay when they are held for the optimizer (until after this
+        # pass), else they are a spike with their updates' copies (variable_step_bytes).
+        held = graph.params_of(v) if graph.gradients_held else 0
+        ledger.alloc(held)
+        spike = variable_step_bytes(graph, v) - held
         if workspace_bytes:
             spike += workspace_bytes[v]
         ledger.alloc(spike)

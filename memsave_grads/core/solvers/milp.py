@@ -172,7 +172,7 @@ def _milp_model(problem: problem_lib.BudgetProblem, max_pairs: int | None = None
 
     # Pair variables s_uv, for the nodes v that get a row (d), over a window of ancestors.
     step = [(size[v] if facts["has_grad"][v] else 0)
-            + memory_model.VARIABLE_UPDATE_FACTOR * graph.params_of(v)
+            + memory_model.variable_step_bytes(graph, v)
             + sum(size[p] for p in set(graph.inputs[v])) for v in range(n)]
     for v in range(n):
         # An elementwise op's gradient may become one input's gradient: count that once.
