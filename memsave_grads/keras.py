@@ -155,10 +155,10 @@ def _check_model(model, version: str, action: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 def _gradients(loss, variables, checkpoints, fallback, applied_together: bool = True):
-    """The gradients of ``loss``, planned for an optimizer that applies them together (the
-    stock step's, which holds every weight gradient until the last is done: measured on
-    tf_keras and on Keras 3 with momentum, Adam and AdamW) unless not ``applied_together``
-    (the early-release step)."""
+    """The gradients of ``loss``, planned for an optimizer that applies them together unless
+    not ``applied_together`` (the step whose updates wait for their own gradients): tf_keras'
+    aggregation holds every weight gradient until the last is done (measured: 128 MiB on a
+    6 x 2048^2 MLP whose gradients are 96), and so do Keras 3 steps that need them all."""
     with api.gradients_applied_together() if applied_together else contextlib.nullcontext():
         return api.gradients_or_fallback(loss, variables, None, checkpoints, fallback,
                                          "memsave_grads.keras")
