@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import keras
+import tensorflow as tf
 import pytest
 
 import memsave_grads as mg
@@ -83,6 +84,38 @@ def test_explain_model_refuses_bad_input():
         mg.explain(model, batch_size=0)
     with pytest.raises(mg.InvalidArgumentError, match="xs"):
         mg.explain(model, model.trainable_weights)
+    with pytest.raises(mg.InvalidTypeError, match="release_gradients_early: expected True"):
+        mg.explain(model, release_gradients_early="yes")
+    loss = tf.constant(1.0)
+    with pytest.raises(mg.InvalidArgumentError, match="release_gradients_early: applies to"):
+        mg.explain(loss, [loss], release_gradients_early=True)
+
+
+def _wide(optimizer):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((512,))
+    h = inputs
+    for _ in range(4):
+        h = keras.layers.Dense(512, activation="tanh")(h)   # 1 MiB of weights each
+    model = keras.Model(inputs, h)
+    model.compile(optimizer, "mse")
+    return model
+
+
+def test_explain_model_holds_the_weight_gradients_where_the_step_does():
+    """Where the optimizer needs every gradient at once (global_clipnorm), the step holds the
+    4 MiB of weight gradients to the end of the backward pass, and the prediction counts them;
+    where each update waits for its own gradient (the default step), they come and go."""
+    weights_mib = 4
+    held = mg.explain(_wide(keras.optimizers.SGD(global_clipnorm=1.0)), batch_size=2)
+    ordered = mg.explain(_wide(keras.optimizers.SGD()), batch_size=2)
+    early = mg.explain(_wide(keras.optimizers.SGD(global_clipnorm=1.0)), batch_size=2,
+                       release_gradients_early=True)
+    # Held: all four gradients at the last step. Otherwise: one gradient and its update's
+    # copy-on-write copy at a time (2 MiB), beside activations of a few KiB.
+    assert held.predicted_plain_peak_bytes >= weights_mib * measure.MIB
+    for other in (ordered, early):
+        assert other.predicted_plain_peak_bytes <= 2.25 * measure.MIB, other
 
 
 MODELS = f"{__file__.rsplit('/', 1)[0]}/fit_limit_models.py"

@@ -1,5 +1,7 @@
 """The static memory model against schedules worked out by hand."""
 
+import dataclasses
+
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
 from memsave_grads.core import schedule as schedule_lib
@@ -51,6 +53,22 @@ def test_segments_and_levels_mirror_the_rewrite():
 def test_variable_gradients_are_a_spike():
     g = chain(3, param_bytes=(0, 100, 0))
     assert memory_model.plain_peak_bytes(g) >= 100
+
+
+def test_held_variable_gradients_accumulate_to_the_end_of_the_pass():
+    # 0 -> 1 -> 2 -> 3 (1 byte each), every node reading a 100-byte variable. Applied at once,
+    # each gradient is a spike of 2 x 100 bytes (its copy-on-write copy too) above a few bytes
+    # of activations; held for an optimizer that applies them together, the four gradients
+    # stay: 400 bytes at the last backward step (node 0's) beside node 0's own gradient (its
+    # output was freed after node 1's step, the last that read it), and no copies.
+    spiky = chain(4, param_bytes=(100,) * 4)
+    held = dataclasses.replace(spiky, gradients_held=True)
+    assert 200 < memory_model.plain_peak_bytes(spiky) < 210
+    assert memory_model.plain_peak_bytes(held) == 400 + 1
+    # Every plan holds them too: recomputation cannot lower a peak the gradients set.
+    assert memory_model.plan_peak_bytes(held, {1}) >= 400
+    assert memory_model.variable_step_bytes(held, 2) == 100
+    assert memory_model.variable_step_bytes(spiky, 2) == 2 * 100
 
 
 def test_elementwise_ops_write_into_a_freed_input():
