@@ -133,6 +133,30 @@ def test_a_try_in_its_own_process_fits_or_runs_out_of_memory_under_the_cap():
     assert not too_large.fits and too_large.out_of_memory, too_large
 
 
+@pytest.mark.parametrize("uncapped_fits", [True, False])
+def test_a_crash_under_the_cap_is_memory_only_if_the_try_runs_without_it(monkeypatch,
+                                                                          uncapped_fits):
+    """TensorFlow's oneDNN kernels segfault where the capped allocator refuses them (Keras 3
+    ResNet50 at batch 64 under 600 MiB): such a try is out of memory if it runs uncapped, a
+    failure (which stops the search) if it crashes there too. The child's last stderr line is
+    then TensorFlow's last log line, so the signal is reported instead."""
+    from memsave_grads.bench import child  # pylint: disable=import-outside-toplevel
+    calls = []
+
+    def fake_run(module, request, env=None, timeout_s=None):
+        calls.append((request["limit_mib"], env))
+        if request["limit_mib"] is None and uncapped_fits:
+            return child.ChildRun({"fits": True, "peak_bytes": 1, "step_seconds": 1.0}, 0, "")
+        return child.ChildRun(None, -11, "E0000 cuda_platform.cc:52] failed call to cuInit\n")
+
+    monkeypatch.setattr(child, "run", fake_run)
+    outcome = fit_limit.attempt("m.py:f", "memory", 64, limit_mib=600)
+    assert calls == [(600, {fit_limit.CPU_LIMIT_ENV: "600"}),
+                     (None, {fit_limit.CPU_LIMIT_ENV: None})]
+    assert not outcome.fits and outcome.out_of_memory == uncapped_fits
+    assert "killed by SIGSEGV" in outcome.error and "cuInit" not in outcome.error.split("(")[0]
+
+
 @pytest.mark.slow
 def test_fit_limit_command_finds_a_larger_batch_with_memsave(tmp_path):
     """The whole command, as a user runs it: the table and the PNG; under a 32 MiB cap the

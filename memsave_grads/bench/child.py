@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from typing import Callable
@@ -28,18 +29,31 @@ class ChildRun:
     stderr: str
     timed_out: bool = False
 
+    @property
+    def crashed(self) -> bool:
+        """Killed by a signal (a segmentation fault, an abort) rather than exiting."""
+        return self.returncode is not None and self.returncode < 0
+
     def last_error_line(self) -> str:
         if self.timed_out:
             return "ran past its time limit"
+        if self.crashed:
+            # The last stderr line is then whatever TensorFlow last logged, not the cause.
+            try:
+                name = signal.Signals(-self.returncode).name
+            except ValueError:
+                name = f"signal {-self.returncode}"
+            return f"the process was killed by {name}"
         return (self.stderr.strip().splitlines() or [f"exit status {self.returncode}"])[-1]
 
 
 def run(module: str, request: dict, env: dict | None = None,
         timeout_s: float | None = None) -> ChildRun:
     """Run ``module``'s :func:`serve` on ``request`` in a fresh process; ``env`` is added to
-    this process's environment (the BFC allocator is always on, TensorFlow's C++ logs quiet
-    unless set)."""
+    this process's environment, a None value removing the variable (the BFC allocator is
+    always on, TensorFlow's C++ logs quiet unless set)."""
     full_env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", **(env or {}))
+    full_env = {name: value for name, value in full_env.items() if value is not None}
     full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
         proc = subprocess.run([sys.executable, "-m", module, json.dumps(request)], env=full_env,

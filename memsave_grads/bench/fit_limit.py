@@ -133,10 +133,10 @@ def _load_function(source: str) -> Callable:
 # One try, in the child process
 # --------------------------------------------------------------------------------------------
 
-def _cap_gpu(limit_mib: int) -> None:
+def _cap_gpu(limit_mib: int | None) -> None:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
+    if gpus and limit_mib is not None:
         tf.config.set_logical_device_configuration(
             gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mib)])
 
@@ -273,9 +273,23 @@ def attempt(source: str, method: str, batch_size: int, limit_mib: int,
     if outcome.result is None:
         # A process the allocator could not serve may also die outright.
         out_of_memory = "OOM" in outcome.stderr or "out of memory" in outcome.stderr.lower()
-        return Attempt(method, size, False, error=outcome.last_error_line()[:300],
-                       out_of_memory=out_of_memory)
+        error = outcome.last_error_line()
+        if not out_of_memory and outcome.crashed:
+            out_of_memory, error = _crash_was_memory(request, error, timeout_s)
+        return Attempt(method, size, False, error=error[:300], out_of_memory=out_of_memory)
     return Attempt(method, size, **outcome.result)
+
+
+def _crash_was_memory(request: dict, error: str, timeout_s: float) -> tuple[bool, str]:
+    """A try killed by a signal under the cap: TensorFlow's oneDNN CPU kernels crash (SIGSEGV)
+    where the capped allocator refuses them (seen on Keras 3 ResNet50 at the batch after the
+    last that fit), but so would a bug. The same try, one step, without the cap tells them
+    apart: if it runs, the crash was the cap's."""
+    uncapped = child.run(__name__, dict(request, limit_mib=None, steps=1),
+                         env={CPU_LIMIT_ENV: None}, timeout_s=timeout_s)
+    if uncapped.result is not None and uncapped.result.get("fits"):
+        return True, f"out of memory: {error} under the cap, and ran without it"
+    return False, f"{error} (also without the cap: {uncapped.last_error_line()})"
 
 
 def search(method: str, try_size: Callable[[int], Attempt], start: int, maximum: int,
