@@ -288,7 +288,7 @@ def _crash_was_memory(request: dict, error: str, timeout_s: float) -> tuple[bool
     uncapped = child.run(__name__, dict(request, limit_mib=None, steps=1),
                          env={CPU_LIMIT_ENV: None}, timeout_s=timeout_s)
     if uncapped.result is not None and uncapped.result.get("fits"):
-        return True, f"out of memory: {error} under the cap, and ran without it"
+        return True, f"{error} under the cap, and ran without it"
     return False, f"{error} (also without the cap: {uncapped.last_error_line()})"
 
 
