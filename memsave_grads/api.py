@@ -87,10 +87,16 @@ def gradients(ys: Targets, xs: Sources, grad_ys: Targets | None = None,
     """
     prepared = _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
     decision = selection.decide_schedule(prepared.selection, checkpoints, prepared.plan)
-    if not decision.rewrite:  # design note "never worse"
-        _warn_plain_once(checkpoints, prepared, decision.reason)
-        return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
-    return run_plan(prepared, prepared.plan)
+    # The calls the backward pass makes itself (a recomputed loop step's gradients) hold no
+    # weight gradients for an optimizer, whatever this call's caller said.
+    token = _GRADIENTS_HELD.set(False)
+    try:
+        if not decision.rewrite:  # design note "never worse"
+            _warn_plain_once(checkpoints, prepared, decision.reason)
+            return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
+        return run_plan(prepared, prepared.plan)
+    finally:
+        _GRADIENTS_HELD.reset(token)
 
 
 #: (checkpoints, forward ops) of the calls already warned about: a model traced again, or

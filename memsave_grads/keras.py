@@ -417,8 +417,9 @@ def _apply_releasing_early(model, loss, checkpoints, fallback, release_order: bo
     apply_floor = early_release.last_op_id(graph)
     # Outside a strategy the sum over one replica is the gradients themselves, but Keras builds
     # it as one op over all of them, which would hold every gradient until the last is
-    # complete (what experimental_aggregate_gradients=False skips in tf_keras). train_step
-    # refused strategies (_check_early_release) before tracing.
+    # complete (what experimental_aggregate_gradients=False skips in tf_keras). Strategies
+    # never get here: release_gradients_early refuses them (_check_early_release) and the
+    # default step takes this path only where _early_release_refusal finds nothing.
     with _overridden([(optimizer, _KERAS_GRADIENT_SUM, list)]):
         optimizer.apply_gradients(zip(grads, variables))
     tf_variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
@@ -461,6 +462,10 @@ def train_step(model, data, checkpoints="memory", fallback: str = "warn",
         "early release"); the weights and ``optimizer.iterations`` end as in the stock step.
         Refused for what needs all gradients at once: ``LossScaleOptimizer``,
         ``global_clipnorm``, ``gradient_accumulation_steps``, a ``tf.distribute`` strategy.
+        Without it, a Keras 3 step still makes each update wait for its own gradient (no
+        set order) wherever none of those applies and XLA does not compile the step: stock
+        Keras computes momentum and weight-decay terms at the start of the step and holds
+        them through the backward pass.
 
     Returns:
       The dict of metric results the stock step returns.
@@ -543,7 +548,9 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
         :func:`train_step`.
       release_gradients_early: Keras 3: apply each weight's update as soon as its gradient is
         complete (default False); see :func:`train_step`. Checked against the optimizer
-        here and again when the step is traced (compiling again may change it).
+        here and again when the step is traced (compiling again may change it). Without it
+        the Keras 3 step still makes each update wait for its own gradient where the
+        optimizer allows (see :func:`train_step`).
 
     Returns:
       ``model`` itself.
@@ -742,6 +749,8 @@ def trace_training_step(model, on_loss, batch_size: int = 32,
     xla = jit is True or (jit == "auto" and bool(tf.config.list_logical_devices("GPU")))
     wanted = wanted and not xla
     early = release_gradients_early or (wrapped and step.release_gradients_early)
+    if early:
+        _check_early_release(model, version)  # what the wrapped step would refuse
     held = xla and not early or not _updates_wait_for_gradients(model, version, early)
 
     def trace(x, y):

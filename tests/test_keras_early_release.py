@@ -1,7 +1,8 @@
 """Keras 3 ``wrap_model(model, release_gradients_early=True)`` (design note "early release"):
 each weight is updated as soon as its gradient is complete, so one weight gradient is alive at
-a time; by default each update waits for its own gradient, in no set order. Checked: the weights and ``optimizer.iterations`` of stock ``fit`` for SGD with
-momentum, Adam and AdamW (weight decay); a measured peak; and what cannot be ordered (all
+a time; by default each update waits for its own gradient, in no set order. Checked: the
+weights and ``optimizer.iterations`` of stock ``fit`` for SGD with momentum, Adam, AdamW
+(weight decay) and RMSprop, in both steps; measured peaks; and what cannot be ordered (all
 gradients needed at once) refused before anything is traced."""
 
 import numpy as np
@@ -10,6 +11,7 @@ import tensorflow as tf
 
 from memsave_grads import errors
 from memsave_grads import measure
+from memsave_grads import keras as mg_keras
 from memsave_grads.keras import wrap_model
 
 from keras_support import fresh_keras, keras3 as keras, tf_keras  # noqa: F401,E402
@@ -24,7 +26,9 @@ def _mlp(optimizer, depth=4, width=32, inputs=16):
     for _ in range(depth):
         h = keras.layers.Dense(width, activation="tanh")(h)
     model = keras.Model(x, keras.layers.Dense(1)(h))
-    model.compile(optimizer=optimizer, loss="mse")
+    # Not XLA ("auto" is, where a GPU is): XLA drops the ordering edges, and the step then
+    # applies the gradients as Keras builds it.
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
     return model
 
 
@@ -33,6 +37,7 @@ OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(1e-2),
     "adamw_clipnorm": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.05, clipnorm=1.0),
     "rmsprop_momentum": lambda: keras.optimizers.RMSprop(1e-3, momentum=0.9),
+    "sgd_global_clipnorm": lambda: keras.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=1.0),
 }
 
 
@@ -47,15 +52,24 @@ def _fit(optimizer_name, **wrap_kwargs):
     return model, history.history["loss"]
 
 
-@pytest.mark.parametrize("optimizer_name,checkpoints,early", [
-    ("sgd_momentum", "memory", True), ("adam", "memory", True), ("adamw_clipnorm", "speed", True),
-    # The default step: each update waits for its own gradient, in no set order.
-    ("sgd_momentum", "speed", False), ("rmsprop_momentum", "memory", False),
-    ("adamw_clipnorm", "memory", False)])
-def test_weights_and_iterations_match_stock_fit(optimizer_name, checkpoints, early):
+@pytest.mark.parametrize("optimizer_name,checkpoints,early,ordered_as", [
+    ("sgd_momentum", "memory", True, True), ("adam", "memory", True, True),
+    ("adamw_clipnorm", "speed", True, True),
+    # The default step: each update waits for its own gradient, in no set order...
+    ("sgd_momentum", "speed", False, False), ("rmsprop_momentum", "memory", False, False),
+    ("adamw_clipnorm", "memory", False, False),
+    # ...except where the optimizer needs every gradient first: Keras' own update then.
+    ("sgd_global_clipnorm", "memory", False, None)])
+def test_weights_and_iterations_match_stock_fit(optimizer_name, checkpoints, early, ordered_as,
+                                               monkeypatch):
     stock, stock_loss = _fit(optimizer_name)
     keras.backend.clear_session(free_memory=False)
+    ordered = []   # the ordered step ran, with the release order only where asked for
+    real = mg_keras._apply_releasing_early  # pylint: disable=protected-access
+    monkeypatch.setattr(mg_keras, "_apply_releasing_early",
+                        lambda *args: ordered.append(args[-1]) or real(*args))
     ours, loss = _fit(optimizer_name, checkpoints=checkpoints, release_gradients_early=early)
+    assert set(ordered) == ({ordered_as} if ordered_as is not None else set()), ordered
     assert "_all_reduce_sum_gradients" not in ours.optimizer.__dict__  # put back after the trace
     assert int(ours.optimizer.iterations.numpy()) == int(stock.optimizer.iterations.numpy()) == 8
     np.testing.assert_allclose(loss, stock_loss, rtol=1e-5)
@@ -90,7 +104,7 @@ def test_a_weight_dominated_step_peaks_lower():
     early_mib, weights = _peak_mib(release_gradients_early=True)
     # The default step: momentum * m waits for each gradient instead of 24 MiB of it being
     # held from the start of the step; early release then also keeps one gradient alive.
-    assert wrapped_mib <= stock_mib - 12, (stock_mib, wrapped_mib)
+    assert wrapped_mib <= 0.6 * stock_mib, (stock_mib, wrapped_mib)
     assert early_mib <= stock_mib - 12 and early_mib <= wrapped_mib + 4, \
         (stock_mib, wrapped_mib, early_mib)
     for got in (weights, wrapped_weights):

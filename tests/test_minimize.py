@@ -180,8 +180,8 @@ def test_one_weight_gradient_alive_at_a_time(opt_name):
 def test_without_ordering_edges_gradients_pile_up(monkeypatch):
     """Dataflow alone runs the backward pass ahead of the updates (design note "early
     release"): the control dependencies are what keeps one gradient alive."""
-    monkeypatch.setattr(early_release, "order_updates", lambda updates, grad_floor, release_order=True: {
-        "skipped_cycles": 0})
+    monkeypatch.setattr(early_release, "order_updates",
+                        lambda updates, grad_floor, release_order=True: {"skipped_cycles": 0})
     peak = _wide_peak_mib(lambda loss, ws, opt: minimize(loss, opt, checkpoints=None), "sgd")
     assert peak >= 1.9 * GRAD_MIB, f"expected several live gradients, got {peak:.1f} MiB"
 

@@ -316,6 +316,8 @@ def test_conv_filter_gradient_scratch_is_modelled_for_the_kernels_in_use(onednn)
     assert request == 40 * 16 * 16 * 576 * 4
     result = children.run_json(_CONV_SCRATCH_STEP, env={"TF_ENABLE_ONEDNN_OPTS": onednn},
                                preamble=children.ALLOCATOR_PREAMBLE)
+    if onednn == "1" and not result["onednn"]:
+        pytest.skip("this TensorFlow build has no oneDNN (macOS, some aarch64 builds)")
     assert result["onednn"] == (onednn == "1")
     for batch, row in zip((1, 2), result["batches"]):
         measured, predicted, without = row["measured"], row["predicted"], row["without"]
@@ -371,6 +373,8 @@ def test_without_scratch_the_conv_chain_is_recomputed_and_saves():
     tf.gradients (a saving given up on every x86 CPU that runs oneDNN by default)."""
     result = children.run_json(_ONEDNN_CONV_CHAIN, env={"TF_ENABLE_ONEDNN_OPTS": "1"},
                                preamble=children.ALLOCATOR_PREAMBLE)
+    if not result["onednn"]:
+        pytest.skip("this TensorFlow build has no oneDNN (macOS, some aarch64 builds)")
     assert result["onednn"] and result["scratch"] == 0 and result["rewrite"], result
     assert result["error"] < 1e-5, result
     assert result["peaks"]["memory"] <= 0.6 * result["peaks"]["plain"], result

@@ -243,3 +243,39 @@ def test_a_conv_with_an_unknown_kernel_is_costed_from_what_is_known(graph):
     out = tf.nn.conv2d(_zeros([1, 8, 8, 3]), _placeholder(None), 1, "SAME")
     assert out.op.type == "Conv2D" and out.shape.as_list() == [1, 8, 8, None]
     assert _flops(out) == 2 * (8 * 8) * 1
+
+
+# --------------------------------------------------------------------------------------------
+# param_bytes: the variable gradients each backward step produces
+# --------------------------------------------------------------------------------------------
+
+
+def _param_bytes(loss, variables, held):
+    from memsave_grads import api  # pylint: disable=import-outside-toplevel
+    import contextlib  # pylint: disable=import-outside-toplevel
+    with api.gradients_applied_together() if held else contextlib.nullcontext():
+        ctx = api._prepare(loss, variables, None, [], {},  # pylint: disable=protected-access
+                           select=False).selection
+    model = ctx.model
+    return ({op.type: b for op, b in zip(ctx.region, model.param_bytes) if b},
+            sum(model.param_bytes))
+
+
+def test_a_shared_weight_is_held_once_and_a_gathered_table_by_its_rows(graph):
+    """A 64 x 64 float32 weight (16 KiB) read by two matmuls: each backward step produces a
+    partial of 16 KiB, but held for the optimizer the partials are one summed buffer, so it
+    counts once. A 1000 x 64 embedding table (250 KiB) gathered at 8 rows: its gradient is
+    IndexedSlices of those rows (2 KiB), whatever the table's size."""
+    with tf.Graph().as_default():
+        w = tf.Variable(tf.ones([64, 64]))
+        table = tf.Variable(tf.ones([1000, 64]))
+        rows = tf.gather(table, tf.constant([1, 2, 3, 4, 5, 6, 7, 8]))       # [8, 64]
+        h = tf.matmul(tf.tanh(tf.matmul(rows, w)), w)
+        loss = tf.reduce_sum(h)
+        variables = [w, table]
+        _, spiky_total = _param_bytes(loss, variables, held=False)
+        by_type, held_total = _param_bytes(loss, variables, held=True)
+    weight, gathered = 64 * 64 * 4, 8 * 64 * 4
+    assert spiky_total == 2 * weight + gathered
+    assert held_total == weight + gathered
+    assert by_type.get("GatherV2", by_type.get("ResourceGather")) == gathered

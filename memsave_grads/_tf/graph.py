@@ -437,6 +437,37 @@ def op_flops(op: tf.Operation) -> float:
                       if t.dtype != tf.resource] or [1]))
 
 
+def _variable_gradient_bytes(region, index, x_refs, gradients_held: bool) -> list[int]:
+    """Bytes of variable gradient each op's backward step produces (``ForwardGraph.
+    param_bytes``): the variables (xs, and reads of them) it takes; for a gather, the rows it
+    reads (an ``IndexedSlices`` gradient). Where the gradients are held for the optimizer,
+    the partials of one variable are summed into one buffer, so each variable counts once, at
+    the consumer the backward pass reaches first (the last in forward order)."""
+    def source_key(t):
+        if t.ref() not in x_refs and t.op.inputs:   # a variable read: key it by the handle
+            return t.op.inputs[0].ref()
+        return t.ref()
+
+    counted = set()
+    params = [0] * len(region)
+    for i in reversed(range(len(region))):
+        op = region[i]
+        for position, t in enumerate(op.inputs):
+            if not (t.ref() in x_refs or (t.op in index
+                                          and t.op.type in op_types.ALIAS_OP_TYPES)):
+                continue
+            rows = op.type in op_types.GATHER_OP_TYPES and position == 0
+            if t.dtype == tf.resource and not rows:   # a handle: its reads carry the bytes
+                continue
+            if gradients_held:
+                key = source_key(t)
+                if key in counted:
+                    continue
+                counted.add(key)
+            params[i] += tensor_bytes(op.outputs[0]) if rows else tensor_bytes(t)
+    return params
+
+
 def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
                      ys: Sequence[tf.Tensor],
                      gradients_held: bool = False) -> graph_lib.ForwardGraph:
@@ -449,14 +480,11 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
     index = {op: i for i, op in enumerate(region)}
     x_refs = {x.ref() for x in xs}
     y_ops = {y.op for y in ys}
-    inputs, reads_source, params = [], [], []
+    inputs, reads_source = [], []
     for op in region:
         preds = sorted({index[t.op] for t in op.inputs if t.op in index})
         inputs.append(tuple(preds))
         reads_source.append(any(t.ref() in x_refs for t in op.inputs))
-        params.append(sum(tensor_bytes(t) for t in op.inputs
-                          if t.dtype != tf.resource and (t.ref() in x_refs or (
-                              t.op in index and t.op.type in op_types.ALIAS_OP_TYPES))))
     # Which inputs each gradient reads: an input needed only for a constant's gradient is not
     # read (``0.5 * x``), since that gradient is pruned from the step.
     reads_inputs = [op_types.gradient_reads_inputs(op.type) for op in region]
@@ -476,6 +504,7 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
         if region[i].type in op_types.MEMORY_MODEL_VIEW_OP_TYPES:
             reads_inputs[i] = any(reads_inputs[index[c]] and i not in unread[index[c]]
                                   for t in region[i].outputs for c in t.consumers() if c in index)
+    params = _variable_gradient_bytes(region, index, x_refs, gradients_held)
     return graph_lib.ForwardGraph(
         inputs=tuple(inputs),
         size_bytes=tuple(0 if op.type in op_types.ALIAS_OP_TYPES else op_bytes(op)

@@ -91,11 +91,17 @@ class SelectionContext:
         return {t.op for t in self.xs} | {t.op for t in self.ys}
 
 
+#: Convolutions oneDNN runs (other dtypes, such as float64 and float16, fall back to Eigen).
+ONEDNN_CONV_DTYPES = frozenset({tf.float32, tf.bfloat16})
+
+
 def _conv2d_workspace_bytes(op: tf.Operation, differentiable: Callable[[tf.Tensor], bool]) -> int:
     """Scratch of ``op``'s gradient kernels when it is a 2-D convolution with static shapes
     run by TensorFlow's Eigen CPU kernels, else 0 (memory_model.conv2d_gradient_workspace_bytes;
-    the oneDNN kernels allocate none: tf_graph.onednn_in_effect)."""
-    if op.type != "Conv2D" or tf_graph.onednn_in_effect():
+    the oneDNN kernels allocate none: tf_graph.onednn_in_effect). On a GPU, cuDNN's own
+    workspaces are not modelled; this estimate stands in for them."""
+    if op.type != "Conv2D" or (tf_graph.onednn_in_effect()
+                               and op.outputs[0].dtype in ONEDNN_CONV_DTYPES):
         return 0
     image, kernel = op.inputs[0], op.inputs[1]
     output_shape, kernel_shape = op.outputs[0].shape, kernel.shape

@@ -35,6 +35,7 @@ import importlib.util
 import inspect
 import os
 import re
+import signal
 import sys
 import time
 from typing import Callable, Sequence
@@ -287,9 +288,14 @@ def _crash_was_memory(request: dict, error: str, timeout_s: float) -> tuple[bool
     apart: if it runs, the crash was the cap's."""
     uncapped = child.run(__name__, dict(request, limit_mib=None, steps=1),
                          env={CPU_LIMIT_ENV: None}, timeout_s=timeout_s)
-    if uncapped.result is not None and uncapped.result.get("fits"):
+    result = uncapped.result or {}
+    if result.get("fits"):
         return True, f"{error} under the cap, and ran without it"
-    return False, f"{error} (also without the cap: {uncapped.last_error_line()})"
+    if result.get("out_of_memory") or uncapped.returncode == -signal.SIGKILL:
+        # Too large for the machine itself (the kernel's out-of-memory killer sends SIGKILL).
+        return True, f"{error} under the cap, and ran out of the machine's memory without it"
+    why = result.get("error") or uncapped.last_error_line()
+    return False, f"{error} (also without the cap: {why})"
 
 
 def search(method: str, try_size: Callable[[int], Attempt], start: int, maximum: int,

@@ -68,6 +68,10 @@ FEED_OP_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault"})
 #: constant, a fed value): it costs no bytes and no FLOPs in the memory model.
 ALIAS_OP_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "Placeholder", "Const"})
 
+#: Op types that read rows of their first input (a table): the gradient with respect to it is
+#: ``IndexedSlices`` of the rows read, the size of the output, not of the table.
+GATHER_OP_TYPES = frozenset({"GatherV2", "ResourceGather", "Gather"})
+
 #: Op types whose (single) output always shares its input's buffer: no new memory, and while
 #: the output is held, so is the input's buffer. Both users below start from this set.
 VIEW_OP_TYPES = frozenset({"Identity", "StopGradient", "PreventGradient", "Reshape",
