@@ -185,6 +185,8 @@ def test_canary_operation_and_graph_internals():
         copy._add_control_inputs([gate])  # pylint: disable=protected-access
         _require(list(copy.control_inputs) == [gate], "Operation._add_control_inputs",
                  f"control inputs {copy.control_inputs}")
+        _require(list(gate._control_outputs) == [copy],  # pylint: disable=protected-access
+                 "Operation._control_outputs", f"{gate._control_outputs}")  # pylint: disable=protected-access
         _require(hasattr(y.op, "_gradient_function"), "Operation._gradient_function", "missing")
         copy._gradient_function = y.op._gradient_function  # pylint: disable=protected-access
         with tf_ops._colocate_with_for_gradient(copy, None, ignore_existing=True):  # pylint: disable=protected-access

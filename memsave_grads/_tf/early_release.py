@@ -140,6 +140,15 @@ def _ancestors(ops: Iterable[tf.Operation], floor: int) -> set:
     return set(tf_graph.walk(ops, tf_graph.dependency_ops, include=_newer_than(floor)))
 
 
+def _descendants(ops: Iterable[tf.Operation], floor: int) -> set:
+    """Ops newer than ``floor`` that depend on ``ops`` (data or control), ``ops`` included:
+    one walk downstream answers "does this op depend on one of ``ops``" for many ops at once,
+    where :func:`_ancestors` walks upstream from each (seconds on Keras 3 ResNet50)."""
+    return set(tf_graph.walk(
+        ops, lambda op: tf_graph.consumer_ops(op) + list(op._control_outputs),  # pylint: disable=protected-access
+        include=_newer_than(floor)))
+
+
 def _add_control_inputs(op: tf.Operation, deps: Sequence[tf.Operation]) -> None:
     existing = set(op.control_inputs)
     new = [d for d in deps if d not in existing and d is not op]
@@ -183,11 +192,13 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int,
                    if any(t is update.handle for t in op.inputs)
                    and op.type not in op_types.VARIABLE_READ_OP_TYPES]
         writer_set = set(writers)
+        # Edges into the writers do not change what depends on them, so one walk serves all
+        # of this variable's readers.
+        after_writers = _descendants(writers, grad_floor)
         for reader in update.readers:
             if reader in writer_set:
                 continue
-            if (tf_graph.creation_index(reader) > grad_floor
-                    and writer_set & _ancestors([reader], grad_floor)):
+            if reader in after_writers:
                 stats["skipped_cycles"] += 1
                 continue
             for writer in writers:
@@ -196,9 +207,11 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int,
     for update in updates:
         if not update.producers or not update.early_roots:
             continue
-        upstream = _ancestors(update.producers, grad_floor)
+        producers = set(update.producers)
         for root in update.early_roots:
-            if root in upstream:
+            # Walked from the root, not back from the producers: a root's descendants are a
+            # few update ops, the producers' ancestors the backward pass.
+            if producers & _descendants([root], grad_floor):
                 stats["skipped_cycles"] += 1
                 continue
             _add_control_inputs(root, update.producers)

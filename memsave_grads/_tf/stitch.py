@@ -25,6 +25,7 @@ from memsave_grads._tf import rewrite
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads import errors
 from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import op_types
 from memsave_grads.core import schedule as schedule_lib
 
 
@@ -85,6 +86,14 @@ def _gradient_ops(g) -> list[tf.Operation]:
     if isinstance(g, tf.IndexedSlices):
         return [g.values.op, g.indices.op]
     return [g.op]
+
+
+def _arrival_ops(g) -> list[tf.Operation]:
+    """The ops a level's copies wait for to start after gradient ``g`` exists: the ops
+    producing it, except a bias gradient's, for which the op producing the gradient it reduces
+    (design note "scheduling": oneDNN fuses that op with a later one, closing a cycle)."""
+    return [op.inputs[0].op if op.type in op_types.FUSED_WITH_LATER_GRADIENT_OP_TYPES else op
+            for op in _gradient_ops(g)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +249,7 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
             with t.graph.colocate_with(t.op):
                 boundaries[t.ref()] = tf.identity(t)
     incoming = [d for _, ds in active for d in ds if d is not None]
-    control = [c for d in incoming for c in _gradient_ops(d)]
+    control = [c for d in incoming for c in _arrival_ops(d)]
     # Under XLA, which drops control inputs, the copies also wait for the level's gradients
     # through dataflow (design note "ordering under XLA").
     arrival = None

@@ -19,6 +19,9 @@ from memsave_grads.core.solvers import problem as problem_lib
 DP_MAX_POSITIONS = 400
 #: Times the DP tightens its budget when the replay finds its plan over budget.
 DP_RETRIES = 6
+#: A position's pending labels are pruned to their Pareto front once they number this many
+#: (and twice the last front's size after that).
+_COMPACT_AT_LABELS = 4096
 
 
 def _prefix(values) -> list:
@@ -95,6 +98,7 @@ def dp_cuts(problem: problem_lib.BudgetProblem, search: planners.CutSearch, posi
     start = [(0, 0.0, None)]
     # Labels reaching each position: a list, or with a quantum a dict by bucket of bytes.
     pending: list = [{} if quantum else [] for _ in positions]
+    compact_at = [_COMPACT_AT_LABELS] * len(positions)
 
     def pareto(candidates):
         candidates.sort(key=lambda c: (c[0], c[1]))
@@ -131,9 +135,17 @@ def dp_cuts(problem: problem_lib.BudgetProblem, search: planners.CutSearch, posi
                 # Labels are sorted by bytes: the ones this segment fits with are a prefix.
                 fitting = bisect.bisect_right(at_bytes, budget_bytes - must_bytes - local)
                 if not quantum:
-                    pending[b_index].extend(
+                    reaching = pending[b_index]
+                    reaching.extend(
                         (label[0] + new_bytes, label[1] + seg_cost, (a_index, label, mode))
                         for label in at_a[:fitting])
+                    if len(reaching) > compact_at[b_index]:
+                        # Drop dominated labels now, not only once b is reached: every earlier
+                        # position adds its whole front here, and Keras 3 ResNet50's 400
+                        # positions filled 24 GiB before b was reached. Exact: a label
+                        # dominated now stays dominated, and ties keep the first, as before.
+                        pending[b_index] = reaching = pareto(reaching)
+                        compact_at[b_index] = max(_COMPACT_AT_LABELS, 2 * len(reaching))
                     continue
                 buckets = pending[b_index]
                 for label in at_a[:fitting]:
