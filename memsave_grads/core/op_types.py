@@ -151,11 +151,11 @@ GRADIENT_READS_NUMERATOR_FOR_DENOMINATOR_OP_TYPES = frozenset({"RealDiv", "Div",
 GRADIENT_PASS_THROUGH_OP_TYPES = frozenset({"Identity", "IdentityN", "AddN", "StopGradient"})
 
 #: Gradient op types that oneDNN's graph pass fuses with a *later* op reading the same incoming
-#: gradient (a bias gradient with the convolution's filter gradient or the matmul's weight
-#: gradient) without looking at control edges. Copies must not wait for one: where the later op
-#: runs after the copies, the fused op would be both upstream and downstream of them (design
-#: note "scheduling"); they wait for its input, the incoming gradient, instead.
-FUSED_WITH_LATER_GRADIENT_OP_TYPES = frozenset({"BiasAddGrad", "BiasAddGradV1"})
+#: gradient, without looking at control edges (seen: a bias gradient with the convolution's
+#: filter gradient; a matmul's weight gradient was not fused). Copies must not wait for one:
+#: where the later op runs after the copies, the fused op would be both upstream and downstream
+#: of them (design note "scheduling"); they wait for its input, the incoming gradient, instead.
+FUSED_WITH_LATER_GRADIENT_OP_TYPES = frozenset({"BiasAddGrad"})
 
 
 def gradient_reads_inputs(op_type: str) -> bool:
