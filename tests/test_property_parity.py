@@ -1,4 +1,6 @@
-"""Randomised parity: random forward DAGs, random xs/ys, every strategy == tf.gradients.
+"""Randomised parity: random forward DAGs, random xs/ys, every strategy == tf.gradients
+(in float32, where the two disagree, ours must be no further than tf.gradients' from the
+program's float64 gradients: tf.gradients' float32 rounding is not the truth).
 
 Profiles: the default runs in CI; ``MEMSAVE_HYPOTHESIS_PROFILE=thorough python -m pytest
 tests/test_property_parity.py`` runs thousands of examples.
@@ -231,16 +233,50 @@ def _ops_between(xs, ys):
     return above_ys & below_xs
 
 
+def _targets(program, nodes):
+    """The program's ys, xs and grad_ys (None unless ``use_grad_ys``) among its ``nodes``."""
+    ys = [nodes[i] for i in program["ys"]]
+    xs = [nodes[i] for i in program["xs"]]
+    grad_ys = None
+    if program["use_grad_ys"]:
+        grad_ys = [tf.constant(np.full([B, D], 0.5 + i), dtype=program["dtype"])
+                   for i in range(len(ys))]
+    return ys, xs, grad_ys
+
+
+def _float64_gradients(program):
+    """tf.gradients of the same program built in float64: the arbiter where float32 results
+    disagree."""
+    program = dict(program, dtype=tf.float64)
+    graph = tf.Graph()
+    with graph.as_default():
+        nodes, feed = _build(program)
+        grads = [g for g in tf.gradients(*_targets(program, nodes)) if g is not None]
+        with tf.compat.v1.Session(graph=graph) as sess:
+            return sess.run([tf.convert_to_tensor(g) for g in grads], feed)
+
+
+def _assert_float32_close(got, want, program):
+    """float32: equal to tf.gradients within rtol 1e-5, or no further than it from the float64
+    gradients. tf.gradients' own float32 result can be far off where partials cancel: on one
+    program Hypothesis found, 1.2e-4 of the largest gradient from the float64 value, where the
+    recomputed one was 7e-8 from it."""
+    try:
+        assert_grads_close(got, want, rtol=1e-5, atol=1e-6)
+    except AssertionError:
+        truth = _float64_gradients(program)
+        for i, (a, e, t) in enumerate(zip(got, want, truth)):
+            floor = 1e-5 * float(np.max(np.abs(t))) + 1e-6
+            ours, theirs = float(np.max(np.abs(a - t))), float(np.max(np.abs(e - t)))
+            assert ours <= max(theirs, floor), \
+                f"gradient {i}: {ours:.3g} from the float64 value, tf.gradients {theirs:.3g}"
+
+
 def _check_parity(program):
     graph = tf.Graph()
     with graph.as_default():
         nodes, feed = _build(program)
-        ys = [nodes[i] for i in program["ys"]]
-        xs = [nodes[i] for i in program["xs"]]
-        grad_ys = None
-        if program["use_grad_ys"]:
-            grad_ys = [tf.constant(np.full([B, D], 0.5 + i), dtype=program["dtype"])
-                       for i in range(len(ys))]
+        ys, xs, grad_ys = _targets(program, nodes)
         between = _ops_between(xs, ys)
         interior = [nodes[i] for i in program["picks"]
                     if nodes[i].op in between and all(nodes[i] is not t for t in ys + xs)]
@@ -269,6 +305,7 @@ def _check_parity(program):
                                   [tf.convert_to_tensor(e) for _, e in pairs]], feed)
     # Inputs and weights are O(1): an absolute floor far above rounding noise of O(1) terms
     # that cancel, far below any real gradient error.
-    float32 = program["dtype"] == tf.float32
-    assert_grads_close(got, want, rtol=1e-5 if float32 else 1e-10,
-                       atol=1e-6 if float32 else 1e-12)
+    if program["dtype"] == tf.float32:
+        _assert_float32_close(got, want, program)
+    else:
+        assert_grads_close(got, want, rtol=1e-10, atol=1e-12)
