@@ -22,6 +22,7 @@ _EXPORTS = {
     "explain": "memsave_grads._explain",
     "PlanReport": "memsave_grads._explain",
     "Budget": "memsave_grads.core.budgets",
+    "calibrate_budget": "memsave_grads.calibration",
     "profile_op_seconds": "memsave_grads.measure",
     "recompute": "memsave_grads.recomputation",
     "minimize": "memsave_grads.optimize",
@@ -69,6 +70,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerl
     from memsave_grads._explain import PlanReport, explain
     from memsave_grads.api import (gradients, gradients_collection, gradients_memory,
                                    gradients_speed)
+    from memsave_grads.calibration import calibrate_budget
     from memsave_grads.core.budgets import Budget
     from memsave_grads.errors import (CheckpointNotOnPathError, EagerExecutionError,
                                       FinalizedGraphError, InfeasibleBudgetError,

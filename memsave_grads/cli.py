@@ -275,6 +275,9 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
     elif name == "budgets":
         _add_models(parser)
         _add_fractions(parser)
+        parser.add_argument("--calibrate", action="store_true",
+                            help="calibrate each budget on the measured step first "
+                                 "(memsave_grads.calibrate_budget), then measure its plan")
         _add_repeats(parser)
         _add_output(parser)
     elif name == "tradeoff":

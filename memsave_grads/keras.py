@@ -26,6 +26,7 @@ from memsave_grads import errors
 from memsave_grads import optimize
 from memsave_grads import recomputation
 from memsave_grads._tf import early_release
+from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import ordering
 
 KERAS2 = "Keras 2 (tf_keras)"
@@ -159,6 +160,8 @@ def _gradients(loss, variables, checkpoints, fallback, applied_together: bool = 
     not ``applied_together`` (the step whose updates wait for their own gradients): tf_keras'
     aggregation holds every weight gradient until the last is done (measured: 128 MiB on a
     6 x 2048^2 MLP whose gradients are 96), and so do Keras 3 steps that need them all."""
+    if checkpoints is None:  # the plain step: calibrate_budget's reference
+        return tf_graph.ORIGINAL_GRADIENTS(loss, variables)
     with api.gradients_applied_together() if applied_together else contextlib.nullcontext():
         return api.gradients_or_fallback(loss, variables, None, checkpoints, fallback,
                                          "memsave_grads.keras")
@@ -449,7 +452,7 @@ def train_step(model, data, checkpoints="memory", fallback: str = "warn",
       model: a compiled Keras model (tf_keras, or Keras 3 with the TensorFlow backend).
       data: the batch Keras passes to ``train_step``.
       checkpoints: as in :func:`memsave_grads.gradients`, without tensors (name patterns are
-        fine).
+        fine); None: plain ``tf.gradients`` in the same step.
       fallback: ``"warn"``: where the strategy finds nothing to keep (``NoCheckpointsFoundError``)
         or cannot rewrite the graph, log a warning and use ``tf.gradients``; ``"error"``: raise.
       recompute_cells: Keras 3 recurrent layers (LSTM, GRU, SimpleRNN, RNN(cell)) recompute

@@ -13,10 +13,12 @@ import sys
 import time
 from typing import Callable
 
+from memsave_grads import errors
+
 CPU_BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
 
 
-class AllocatorStatsUnavailableError(RuntimeError):
+class AllocatorStatsUnavailableError(errors.MemsaveGradsError, RuntimeError):
     """The allocator keeps no statistics (TensorFlow imported before the BFC switch was set)."""
 
 

@@ -213,12 +213,15 @@ def budgets(args: argparse.Namespace) -> int:
     for i, spec in enumerate(models.select(models.benchmark_models(), args.models), 1):
         logging.info("[%d] %s ...", i, spec.description)
         try:
+            if args.calibrate:
+                methods = harness.calibrated_methods(spec, args.fractions)
             all_results.append(harness.measure_model(spec, methods, repeats=args.repeats))
         except Exception as e:  # pylint: disable=broad-except  # keep the other models' rows
             logging.exception("%s failed", spec.name)
             all_results.append(harness.failed_results(spec, methods, e))
             status = 1
-    _write(args, harness.budget_table(all_results) + "\n\n" + harness.BUDGET_NOTES,
+    notes = harness.BUDGET_NOTES + (" " + harness.CALIBRATED_NOTES if args.calibrate else "")
+    _write(args, harness.budget_table(all_results) + "\n\n" + notes,
            "memsave_grads under memory budgets")
     return status
 

@@ -36,6 +36,8 @@ from memsave_grads import _explain as explain_lib
 from memsave_grads import measure
 from memsave_grads.bench import tables
 from memsave_grads.bench.models import ModelSpec
+from memsave_grads.core import budgets
+from memsave_grads.core import calibration as core_calibration
 from memsave_grads.patching import original_gradients
 
 
@@ -49,7 +51,7 @@ class Method:
     """One way to compute gradients: ``tf.gradients`` or a ``memsave_grads`` strategy."""
 
     label: str
-    checkpoints: str | None  # None: plain tf.gradients (the reference)
+    checkpoints: "str | budgets.Budget | None"  # None: plain tf.gradients (the reference)
 
     @property
     def is_reference(self) -> bool:
@@ -385,10 +387,60 @@ def summary_line(results: Sequence[Result], method: Method) -> str | None:
 
 
 def _budget_fraction(method: Method) -> float | None:
-    from memsave_grads.core import budgets  # pylint: disable=import-outside-toplevel
-    if method.checkpoints and budgets.is_budget_string(method.checkpoints):
-        return budgets.Budget.parse(method.checkpoints).fraction
-    return None
+    """The fraction of tf.gradients' peak the method's budget asks for (a calibrated budget:
+    what was asked, not the fraction it plans at)."""
+    budget = method.checkpoints
+    if isinstance(budget, str) and budgets.is_budget_string(budget):
+        budget = budgets.Budget.parse(budget)
+    if not isinstance(budget, budgets.Budget):
+        return None
+    return budget.calibration.asked.fraction if budget.calibration else budget.fraction
+
+
+def _budget_cell(method: Method, fraction: float) -> str:
+    budget = method.checkpoints
+    if isinstance(budget, budgets.Budget) and budget.calibration:
+        return f"{fraction:.0%} (planned at {budget.fraction:.0%})"
+    return f"{fraction:.0%}"
+
+
+def calibrate(spec: ModelSpec, asked: budgets.Budget, runs: int = 2,
+              learning_rate: float = 1e-4) -> budgets.Budget:
+    """``asked`` calibrated on ``spec``'s SGD step (design note "calibrated budgets"): each
+    plan in a graph and session of its own, a warm-up run, then the largest of ``runs``
+    allocator peaks. :func:`measure_model` then measures the calibrated plan afresh."""
+    def measure_step(planned: budgets.Budget | None) -> int:
+        graph = tf.Graph()
+        with graph.as_default():
+            loss, variables = spec.build()
+            grads = original_gradients(loss, list(variables)) if planned is None else \
+                api.gradients(loss, list(variables), checkpoints=planned)
+            step = tf.compat.v1.train.GradientDescentOptimizer(learning_rate).apply_gradients(
+                [(g, v) for g, v in zip(grads, variables) if g is not None])
+            init = tf.compat.v1.global_variables_initializer()
+        graph.finalize()
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(init)
+            session.run(step)
+            return max(measure.peak_bytes_of(lambda: session.run(step))[0]
+                       for _ in range(runs))
+    calibrated = core_calibration.calibrate(asked, measure_step)
+    logging.info("%s: %s", spec.name, calibrated.calibration)
+    return calibrated
+
+
+def calibrated_methods(spec: ModelSpec, fractions: Sequence[float]) -> list[Method]:
+    """tf.gradients, then ``spec``'s calibrated budget at each fraction (a fraction no plan
+    measured within is logged and left out)."""
+    methods = [REFERENCE]
+    for fraction in fractions:
+        try:
+            budget = calibrate(spec, budgets.Budget(fraction=fraction))
+        except errors.InfeasibleBudgetError as e:
+            logging.warning("%s at %.0f%%: %s", spec.name, fraction * 100, e)
+            continue
+        methods.append(Method(f"budget {fraction:.0%} calibrated", budget))
+    return methods
 
 
 def budget_table(results_per_model: Sequence[Sequence[Result]]) -> str:
@@ -402,12 +454,14 @@ def budget_table(results_per_model: Sequence[Sequence[Result]]) -> str:
                 continue
             budget = fraction * reference.peak_bytes if reference.peak_bytes else None
             if result.peak_bytes is None or budget is None:
-                rows.append([result.model, f"{fraction:.0%}", "-", "-", "-", "-",
+                rows.append([result.model, _budget_cell(result.method, fraction), "-", "-",
+                             "-", "-",
                              result.skipped or result.failed or "-", "-"])
                 continue
             verdict = "yes" if result.peak_bytes <= 1.05 * budget else "**no**"
             rows.append([
-                result.model, f"{fraction:.0%}", tables.number(budget / measure.MIB),
+                result.model, _budget_cell(result.method, fraction),
+                tables.number(budget / measure.MIB),
                 f"{tables.number(result.peak_bytes / measure.MIB)} ({result.peak_bytes / budget:.2f})",
                 verdict, format_prediction(result),
                 format_time_ratio(reference.median_seconds, result.median_seconds),
@@ -424,6 +478,13 @@ BUDGET_NOTES = (
     "the measured peak is held against (+5% allocator slack). predicted MiB: the static memory "
     "model's peak for the plan (and its error). plan + rewrite: seconds to solve the budget and "
     "build the gradients.")
+
+
+CALIBRATED_NOTES = (
+    "With --calibrate, each budget is first calibrated (memsave_grads.calibrate_budget's "
+    "search on the same SGD step, each plan in a graph of its own): the budget column says "
+    "at which fraction of the *predicted* plain peak the calibrated plan is planned; the "
+    "measured peak is that plan measured again, beside the other methods.")
 
 
 def tradeoff_table(name: str, front, forward_flops: float, plain_bytes: int,

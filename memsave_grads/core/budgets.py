@@ -62,6 +62,9 @@ class Budget:
       op_seconds: optional calibration: measured seconds per op name (from
         :func:`memsave_grads.measure.profile_op_seconds`); recompute costs then are seconds
         instead of FLOPs from static shapes (see :func:`calibrated_costs`).
+      calibration: set by :func:`memsave_grads.calibrate_budget` (never by hand): the budget
+        the user asked for and the measured steps that re-aimed ``fraction`` so that the plan
+        measures within it (see :class:`Calibration`).
 
     Among the plans whose predicted peak fits, the solver returns one that recomputes least.
     A budget below the smallest predicted peak any plan reaches raises
@@ -75,6 +78,8 @@ class Budget:
     solver: str = DEFAULT_SOLVER
     op_seconds: Mapping[str, float] | None = dataclasses.field(default=None, compare=False,
                                                                repr=False)
+    calibration: "Calibration | None" = dataclasses.field(default=None, compare=False,
+                                                          repr=False)
 
     def __post_init__(self):
         if (self.bytes is None) == (self.fraction is None):
@@ -88,6 +93,11 @@ class Budget:
             object.__setattr__(self, "fraction", _checked_fraction(self.fraction))
         if self.op_seconds is not None:
             _check_op_seconds(self.op_seconds)
+        if self.calibration is not None and not isinstance(self.calibration, Calibration):
+            raise errors.InvalidTypeError(
+                f"Budget.calibration: expected a Calibration made by "
+                f"memsave_grads.calibrate_budget, got {type(self.calibration).__name__}. Leave "
+                "it out and call calibrate_budget(model_or_step, budget).")
         if not isinstance(self.solver, str) or self.solver not in SOLVER_NAMES:
             raise errors.InvalidArgumentError(
                 f"Budget.solver: unknown solver {self.solver!r}; expected one of "
@@ -137,7 +147,16 @@ class Budget:
                 f"'budget:4GiB', or a fraction. {example}")
         return cls(bytes=int(nbytes), solver=solver)
 
+    def __repr__(self) -> str:
+        fields = (f"bytes={self.bytes!r}, fraction={self.fraction!r}, solver={self.solver!r}")
+        if self.calibration is not None:
+            fields += f", calibrated_from={self.calibration.asked!r}"
+        return f"Budget({fields})"
+
     def describe(self) -> str:
+        if self.calibration is not None:
+            return (f"{self.calibration.asked.describe()}, calibrated: planned at "
+                    f"{self.fraction:.1%} of the predicted plain peak")
         amount = format_bytes(self.bytes) if self.bytes is not None else f"{self.fraction:.0%}"
         return f"budget {amount} ({self.solver})"
 
@@ -146,6 +165,64 @@ class Budget:
         if self.bytes is not None:
             return self.bytes
         return int(self.fraction * plain_peak_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationTry:
+    """One measured plan: planned at ``planned_fraction`` of the predicted plain peak, its step
+    measured ``measured_bytes``."""
+
+    planned_fraction: float
+    measured_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What :func:`memsave_grads.calibrate_budget` measured (design note "calibrated budgets").
+
+    Attributes:
+      asked: the budget as the user gave it.
+      target_bytes: what the measured step peak may reach: ``asked.fraction`` of the measured
+        plain step, or ``asked.bytes``.
+      plain_measured_bytes: the measured peak of the plain ``tf.gradients`` step.
+      tries: the measured plans, in the order tried.
+      step: how the measured step was made, for the record (``"Keras fit step, batch
+        dimension unknown"``).
+    """
+
+    asked: "Budget"
+    target_bytes: int
+    plain_measured_bytes: int
+    tries: tuple[CalibrationTry, ...]
+    step: str = ""
+
+    @property
+    def held(self) -> CalibrationTry | None:
+        """The try the calibrated budget plans at: of the tries that held, the one with the
+        largest planned fraction (the least recompute), or rather the smallest fraction that
+        measured the same peak (the same plan): a fraction at the top of a plan's span sits
+        next to the plan above, and the memory model of another trace of the same step (a
+        fresh process, fit's) may put the boundary a little lower (measured: a Keras 3
+        Transformer at 96.9%, the plain step's 272 MiB in a fresh process instead of 142)."""
+        within = [t for t in self.tries if t.measured_bytes <= self.target_bytes]
+        if not within:
+            return None
+        best = max(within, key=lambda t: t.planned_fraction)
+        same_plan = [t for t in within
+                     if abs(t.measured_bytes - best.measured_bytes) <= 0.01 * abs(best.measured_bytes)]
+        return min(same_plan, key=lambda t: t.planned_fraction)
+
+    def __str__(self) -> str:
+        lines = [f"{self.asked.describe()}: target {format_bytes(self.target_bytes)} of "
+                 f"measured step peak (plain tf.gradients measured "
+                 f"{format_bytes(self.plain_measured_bytes)}"
+                 f"{'; ' + self.step if self.step else ''})"]
+        for t in self.tries:
+            verdict = "held" if t.measured_bytes <= self.target_bytes else "missed"
+            lines.append(f"  planned at {t.planned_fraction:6.1%} of predicted plain: measured "
+                         f"{format_bytes(t.measured_bytes)} "
+                         f"({t.measured_bytes / self.target_bytes:.2f} x target, {verdict})")
+        return "\n".join(lines)
 
 
 def is_budget_string(value) -> bool:

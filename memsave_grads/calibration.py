@@ -1,0 +1,204 @@
+"""``calibrate_budget()``: a budget held against the measured step, not the prediction.
+
+A :class:`~memsave_grads.Budget` bounds the memory model's predicted peak, and the model misses
+terms on some networks (docs/budgets.md). :func:`calibrate_budget` runs the step instead: the
+plain ``tf.gradients`` step once, then plans under re-aimed budgets until one measures within
+what was asked (the search: :mod:`memsave_grads.core.calibration`; design note "calibrated
+budgets"). It returns a budget to pass where budgets go (``wrap_model``, ``gradients``,
+``patch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Callable
+
+import tensorflow as tf
+from absl import logging
+
+from memsave_grads import _explain
+from memsave_grads import errors
+from memsave_grads import measure as measure_lib
+from memsave_grads.core import budgets
+from memsave_grads.core import calibration as core_calibration
+
+#: Measured runs of each step after its warm-up run; the largest peak counts (the executor's
+#: order moves a step's peak by up to 10%, and a budget is a bound).
+DEFAULT_RUNS = 2
+
+
+def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size: int = 32,
+                     sequence_length: int | None = None, data=None, static_batch: bool = True,
+                     runs: int = DEFAULT_RUNS,
+                     max_measurements: int = core_calibration.DEFAULT_MAX_MEASUREMENTS
+                     ) -> budgets.Budget:
+    """``budget`` re-aimed so that the plan it gives measures within it on this machine.
+
+    The budget is read against measured peaks: ``fraction`` of the *measured* plain
+    ``tf.gradients`` step, or ``bytes`` of measured step peak (the allocator's peak above what
+    was in use when the step started: weights and optimizer state are not counted). The plain
+    step runs once, then each plan: a warm-up run and ``runs`` measured runs, the largest peak
+    counting. Plans are re-aimed (design note "calibrated budgets") until one measures within
+    the budget and at least 90% of it, or ``max_measurements`` plans were measured; the
+    result is the budget of the one that held with the least recompute. Calibrate at the
+    batch size you train with: the plans, and the memory model's misses, depend on it.
+
+    Example::
+
+        budget = memsave_grads.calibrate_budget(model, "budget:50%", batch_size=64)
+        print(budget.calibration)         # what was measured
+        memsave_grads.wrap_model(model, budget)
+        model.fit(x, y, batch_size=64)
+
+    Args:
+      model_or_step: a compiled Keras model (tf_keras, or Keras 3 with the TensorFlow
+        backend, whose class keeps the stock ``train_step``): its training step is measured
+        as ``wrap_model`` builds it (a wrapped model's settings kept), updates included, the
+        plain step being the same with ``tf.gradients``; every variable the steps change
+        (weights, optimizer slots and iterations, batch-norm statistics, dropout seeds,
+        metrics) is restored afterwards. Or a function ``step(checkpoints)`` that computes one step's
+        gradients with ``memsave_grads.gradients(..., checkpoints=checkpoints)`` and returns
+        them; it is traced without AutoGraph, and called with ``checkpoints=None`` for the
+        plain step, where it must use ``tf.gradients``. Variables it changes are not restored.
+      budget: a :class:`~memsave_grads.Budget` or ``"budget:..."`` string; a calibrated
+        budget is calibrated again from what was asked.
+      batch_size, sequence_length, data: the batch of a Keras model's step, as in
+        :func:`memsave_grads.explain`: ``data=(x, y)`` arrays, or a random batch of
+        ``batch_size`` examples.
+      static_batch: a Keras model's step is traced with the batch size in every shape, as
+        ``train_on_batch``, ``explain(model)`` and fit-limit trace it (default); False traces
+        it as ``fit`` does, with an unknown batch dimension, which the memory model counts as
+        1 (sizes per example: weights and their gradients then weigh as much as a whole
+        batch's activations, and a fractional budget may have no plan below plain). The two
+        plan differently at the same fraction (design note "calibrated budgets").
+      runs: measured runs per step (>= 1).
+      max_measurements: plans measured at most (>= 1).
+
+    Returns:
+      A :class:`~memsave_grads.Budget` of the planned fraction that held; its
+      ``calibration`` holds the asked budget, the target in bytes and every measured try.
+
+    Raises:
+      InfeasibleBudgetError: no measured plan fit; the message states the smallest measured
+        peak as a share of the measured plain step.
+      AllocatorStatsUnavailableError: the allocator keeps no statistics (on CPU, set
+        ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow is imported).
+      InvalidTypeError, InvalidArgumentError: bad arguments (before anything runs).
+    """
+    asked = _asked_budget(budget)
+    _check_count("runs", runs)
+    _check_count("max_measurements", max_measurements)
+    if _explain._is_keras_model(model_or_step):  # pylint: disable=protected-access
+        _explain._validate_batch_size(batch_size)  # pylint: disable=protected-access
+        if not isinstance(static_batch, bool):
+            raise errors.InvalidTypeError(
+                f"static_batch: expected True or False, got {type(static_batch).__name__}: "
+                f"{static_batch!r:.60}.")
+        measure_step = _keras_step(model_or_step, batch_size, sequence_length, data, runs,
+                                   static_batch)
+        step = ("Keras step traced with its batch size, as train_on_batch traces it"
+                if static_batch else "Keras step traced with an unknown batch dimension, as "
+                "fit traces it")
+    elif callable(model_or_step):
+        measure_step, step = _function_step(model_or_step, runs), "step function"
+    else:
+        raise errors.InvalidTypeError(
+            f"model_or_step: expected a compiled Keras model or a function "
+            f"step(checkpoints) that returns gradients, got {type(model_or_step).__name__}: "
+            f"{model_or_step!r:.80}.")
+    _check_allocator_stats()
+    calibrated = core_calibration.calibrate(asked, measure_step,
+                                            max_measurements=max_measurements)
+    calibrated = dataclasses.replace(
+        calibrated, calibration=dataclasses.replace(calibrated.calibration, step=step))
+    logging.info("memsave_grads: calibrated %s", calibrated.calibration)
+    return calibrated
+
+
+def _asked_budget(budget) -> budgets.Budget:
+    if isinstance(budget, budgets.Budget):
+        return budget.calibration.asked if budget.calibration is not None else budget
+    if budgets.is_budget_string(budget):
+        return budgets.Budget.parse(budget)
+    raise errors.InvalidTypeError(
+        f"budget: expected a memsave_grads.Budget or a 'budget:...' string such as "
+        f"'budget:50%', got {type(budget).__name__}: {budget!r:.80}.")
+
+
+def _check_count(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise errors.InvalidArgumentError(f"{name}: expected an int >= 1, got {value!r:.60}.")
+
+
+def _check_allocator_stats() -> None:
+    device = measure_lib.default_device()
+    probe = tf.zeros([1024])  # something in use, so that a keeping allocator reports it
+    if not tf.config.experimental.get_memory_info(device)["current"]:
+        raise measure_lib.AllocatorStatsUnavailableError(
+            f"calibrate_budget: {device}'s allocator keeps no statistics, so no step can be "
+            f"measured. On CPU set {measure_lib.CPU_BFC_ENV}=true in the environment before "
+            "TensorFlow is imported (memsave_grads.measure.enable_cpu_allocator_stats()).")
+    del probe
+
+
+def _step_peak_bytes(run: Callable[[], object], runs: int) -> int:
+    run()  # warm-up: one-time allocations (kernel caches, constants) are not the step's
+    return max(measure_lib.peak_bytes_of(run)[0] for _ in range(runs))
+
+
+def _training_state(model) -> list:
+    """Every variable one training step may change: weights, batch-norm statistics, dropout
+    seeds, the optimizer's slots and iterations, the metrics' totals."""
+    optimizer_variables = getattr(model.optimizer, "variables", [])
+    if callable(optimizer_variables):  # tf_keras legacy optimizers: a method
+        optimizer_variables = optimizer_variables()
+    found, seen = [], set()
+    for v in [*model.variables, *optimizer_variables,
+              *(v for metric in model.metrics for v in metric.variables)]:
+        if id(v) not in seen:
+            seen.add(id(v))
+            found.append(v)
+    return found
+
+
+def _keras_step(model, batch_size, sequence_length, data, runs: int, static_batch: bool):
+    from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
+    version = keras_lib.keras_version(model)
+    keras_lib._check_model(model, version, "calibrate_budget")  # pylint: disable=protected-access
+    if data is None:
+        data = keras_lib.synthetic_batch(model, batch_size, sequence_length)
+    x, y = tf.nest.map_structure(tf.convert_to_tensor, tuple(data))
+    specs = tf.nest.map_structure(
+        lambda t: tf.TensorSpec(t.shape if static_batch else [None] + t.shape[1:], t.dtype),
+        (x, y))
+    wrapped = model.__dict__.get("train_step")
+    settings = {"recompute_cells": getattr(wrapped, "recompute_cells", True),
+                "release_gradients_early": getattr(wrapped, "release_gradients_early", False)}
+    if version == keras_lib.KERAS3 and not model.optimizer.built:
+        # As fit does before it traces: Keras 3 creates no variable inside a traced step.
+        model.optimizer.build(model.trainable_variables)
+
+    def measure(planned):
+        # The whole training step, updates included, as wrap_model's fit runs it; "error"
+        # hands an infeasible budget to the search, which re-aims it.
+        def step(x, y):
+            return keras_lib.train_step(model, (x, y), checkpoints=planned, fallback="error",
+                                        **settings)
+        concrete = tf.function(step, autograph=False).get_concrete_function(*specs)
+        state = _training_state(model)  # after the trace: tf_keras makes its slots there
+        saved = [tf.identity(tf.convert_to_tensor(v)) for v in state]
+        try:
+            return _step_peak_bytes(lambda: concrete(x, y), runs)
+        finally:
+            for variable, value in zip(state, saved):
+                variable.assign(value)
+
+    return measure
+
+
+def _function_step(step, runs: int):
+    def measure(planned):
+        concrete = tf.function(lambda: step(planned), autograph=False).get_concrete_function()
+        return _step_peak_bytes(concrete, runs)
+    return measure
