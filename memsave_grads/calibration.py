@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Callable
 
 import tensorflow as tf
 from absl import logging
@@ -107,7 +106,7 @@ def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size:
             f"model_or_step: expected a compiled Keras model or a function "
             f"step(checkpoints) that returns gradients, got {type(model_or_step).__name__}: "
             f"{model_or_step!r:.80}.")
-    _check_allocator_stats()
+    measure_lib.check_allocator_stats()
     calibrated = core_calibration.calibrate(asked, measure_step,
                                             max_measurements=max_measurements)
     calibrated = dataclasses.replace(
@@ -129,22 +128,6 @@ def _asked_budget(budget) -> budgets.Budget:
 def _check_count(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise errors.InvalidArgumentError(f"{name}: expected an int >= 1, got {value!r:.60}.")
-
-
-def _check_allocator_stats() -> None:
-    device = measure_lib.default_device()
-    probe = tf.zeros([1024])  # something in use, so that a keeping allocator reports it
-    if not tf.config.experimental.get_memory_info(device)["current"]:
-        raise measure_lib.AllocatorStatsUnavailableError(
-            f"calibrate_budget: {device}'s allocator keeps no statistics, so no step can be "
-            f"measured. On CPU set {measure_lib.CPU_BFC_ENV}=true in the environment before "
-            "TensorFlow is imported (memsave_grads.measure.enable_cpu_allocator_stats()).")
-    del probe
-
-
-def _step_peak_bytes(run: Callable[[], object], runs: int) -> int:
-    run()  # warm-up: one-time allocations (kernel caches, constants) are not the step's
-    return max(measure_lib.peak_bytes_of(run)[0] for _ in range(runs))
 
 
 def _training_state(model) -> list:
@@ -189,7 +172,7 @@ def _keras_step(model, batch_size, sequence_length, data, runs: int, static_batc
         state = _training_state(model)  # after the trace: tf_keras makes its slots there
         saved = [tf.identity(tf.convert_to_tensor(v)) for v in state]
         try:
-            return _step_peak_bytes(lambda: concrete(x, y), runs)
+            return measure_lib.step_peak_bytes(lambda: concrete(x, y), runs)
         finally:
             for variable, value in zip(state, saved):
                 variable.assign(value)
@@ -200,5 +183,5 @@ def _keras_step(model, batch_size, sequence_length, data, runs: int, static_batc
 def _function_step(step, runs: int):
     def measure(planned):
         concrete = tf.function(lambda: step(planned), autograph=False).get_concrete_function()
-        return _step_peak_bytes(concrete, runs)
+        return measure_lib.step_peak_bytes(concrete, runs)
     return measure

@@ -51,6 +51,28 @@ def peak_bytes_of(step: Callable[[], object], device: str | None = None) -> tupl
     return peak - before, result
 
 
+def check_allocator_stats(device: str | None = None) -> None:
+    """Raise :class:`AllocatorStatsUnavailableError` (with the remedy) before a measurement
+    is started on a device whose allocator keeps no statistics."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    device = device or default_device()
+    probe = tf.zeros([1024])  # something in use, so that a keeping allocator reports it
+    if not tf.config.experimental.get_memory_info(device)["current"]:
+        raise AllocatorStatsUnavailableError(
+            f"{device}'s allocator keeps no statistics, so no step can be measured. On CPU "
+            f"set {CPU_BFC_ENV}=true in the environment before TensorFlow is imported "
+            "(memsave_grads.measure.enable_cpu_allocator_stats()).")
+    del probe
+
+
+def step_peak_bytes(run: Callable[[], object], runs: int = 2) -> int:
+    """The largest peak of ``runs`` calls of ``run`` (see :func:`peak_bytes_of`), after one
+    warm-up call: one-time allocations (kernel caches, constants) are not the step's, and the
+    executor's order moves a step's peak by up to 10%."""
+    run()
+    return max(peak_bytes_of(run)[0] for _ in range(runs))
+
+
 def reserve_cpu_heap(size_bytes: int = 4 << 30) -> None:
     """Make the CPU BFC allocator's next region one of ``size_bytes`` (virtual memory: it is
     allocated and freed at once, nothing is written). Call it once, first, in a process that

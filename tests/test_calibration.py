@@ -116,7 +116,7 @@ def test_a_budget_no_plan_measures_within_is_refused_in_measured_terms():
 def test_bad_arguments_are_refused_before_anything_runs(kwargs, kind, words, monkeypatch):
     model = _model(KERAS["keras3"], depth=1, width=8)
     ran = []
-    monkeypatch.setattr(calibration, "_step_peak_bytes", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(measure, "step_peak_bytes", lambda *a, **k: ran.append(1))
     kwargs.setdefault("model_or_step", model)
     with pytest.raises(kind, match=words):
         mg.calibrate_budget(**kwargs)

@@ -421,9 +421,7 @@ def calibrate(spec: ModelSpec, asked: budgets.Budget, runs: int = 2,
         graph.finalize()
         with tf.compat.v1.Session(graph=graph) as session:
             session.run(init)
-            session.run(step)
-            return max(measure.peak_bytes_of(lambda: session.run(step))[0]
-                       for _ in range(runs))
+            return measure.step_peak_bytes(lambda: session.run(step), runs)
     calibrated = core_calibration.calibrate(asked, measure_step)
     logging.info("%s: %s", spec.name, calibrated.calibration)
     return calibrated
