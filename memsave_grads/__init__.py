@@ -19,6 +19,7 @@ _EXPORTS = {
     "gradients_speed": "memsave_grads.api",
     "gradients_memory": "memsave_grads.api",
     "gradients_collection": "memsave_grads.api",
+    "assume_batch_size": "memsave_grads.api",
     "explain": "memsave_grads._explain",
     "PlanReport": "memsave_grads._explain",
     "Budget": "memsave_grads.core.budgets",
@@ -68,8 +69,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerly
     from memsave_grads._explain import PlanReport, explain
-    from memsave_grads.api import (gradients, gradients_collection, gradients_memory,
-                                   gradients_speed)
+    from memsave_grads.api import (assume_batch_size, gradients, gradients_collection,
+                                   gradients_memory, gradients_speed)
     from memsave_grads.calibration import calibrate_budget
     from memsave_grads.core.budgets import Budget
     from memsave_grads.errors import (CheckpointNotOnPathError, EagerExecutionError,

@@ -13,6 +13,7 @@ import dataclasses
 import tensorflow as tf
 
 from memsave_grads._tf import selection
+from memsave_grads import _validate
 from memsave_grads import api
 from memsave_grads import errors
 from memsave_grads.core import memory_model
@@ -51,8 +52,9 @@ class PlanReport:
       levels: the recomputed segments, grouped as the backward pass visits them.
       predicted_peak_bytes: the static memory model's peak with this plan.
       predicted_plain_peak_bytes: the same for plain ``tf.gradients``.
-      unknown_dimensions: whether some shape had unknown dimensions (counted as 1, so the byte
-        figures are per unit of each unknown dimension, typically per example).
+      unknown_dimensions: whether some shape had unknown dimensions that no assumed batch size
+        stands for (counted as 1, so the byte figures are per unit of each unknown dimension,
+        typically per example).
       recompute_flops: floating-point operations of the recomputed ops (static shapes).
       forward_flops: the same for the whole forward region (run once by any method).
       budget_bytes: the budget the plan was solved for, when ``checkpoints`` is a budget.
@@ -65,6 +67,8 @@ class PlanReport:
         im2col buffers), which the never-worse rule adds to both predicted peaks.
       decided_plan_peak_bytes / decided_plain_peak_bytes: the two peaks the rule compared
         (None where it needed none).
+      assumed_batch_size: the examples an unknown batch dimension counted as
+        (:func:`memsave_grads.assume_batch_size`), or None.
     """
 
     checkpoints: object
@@ -87,6 +91,7 @@ class PlanReport:
     scratch_bytes: int = 0
     decided_plan_peak_bytes: int | None = None
     decided_plain_peak_bytes: int | None = None
+    assumed_batch_size: int | None = None
 
     @property
     def recompute_fraction(self) -> float:
@@ -135,6 +140,9 @@ class PlanReport:
             lines.append(("  schedule: this plan (" if self.rewrite else
                           "  schedule: plain tf.gradients, not this plan (")
                          + self.schedule_reason + ")")
+        if self.assumed_batch_size is not None:
+            lines.append(f"  (an unknown batch dimension counts as {self.assumed_batch_size} "
+                         "examples)")
         if self.unknown_dimensions:
             lines.append("  (shapes with unknown dimensions: sizes count each unknown "
                          "dimension as 1, e.g. per example)")
@@ -196,7 +204,7 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
                 f"{sorted(tf_gradients_kwargs)}. Leave them out (or pass the loss tensor and "
                 "the variables instead of the model).")
         from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
-        _validate_batch_size(batch_size)
+        _validate.check_batch_size(batch_size)
         if not isinstance(release_gradients_early, bool):
             raise errors.InvalidTypeError(
                 f"release_gradients_early: expected True or False, got "
@@ -252,18 +260,8 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
         scratch_bytes=decision.scratch_bytes,
         decided_plan_peak_bytes=decision.plan_peak_bytes,
         decided_plain_peak_bytes=decision.plain_peak_bytes,
+        assumed_batch_size=ctx.assumed_batch_size,
     )
-
-
-def _validate_batch_size(batch_size) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-        raise errors.InvalidTypeError(
-            f"batch_size: expected a positive int (the examples of the batch to plan for), "
-            f"got {type(batch_size).__name__} {batch_size!r}.")
-    if batch_size < 1:
-        raise errors.InvalidArgumentError(
-            f"batch_size: expected a positive int (the examples of the batch to plan for), "
-            f"got {batch_size!r}.")
 
 
 @tf.autograph.experimental.do_not_convert

@@ -434,6 +434,19 @@ def check_fallback(fallback) -> None:
             f"fallback: expected one of {list(FALLBACKS)}, got {fallback!r}.")
 
 
+def check_batch_size(batch_size, name: str = "batch_size", allow_none: bool = False) -> None:
+    """Refuse a batch size other than a positive int (or None where ``allow_none``)."""
+    if batch_size is None and allow_none:
+        return
+    expected = ("a positive int (the examples of the batch to plan for)"
+                + (" or None" if allow_none else ""))
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
+        raise errors.InvalidTypeError(
+            f"{name}: expected {expected}, got {type(batch_size).__name__} {batch_size!r:.60}.")
+    if batch_size < 1:
+        raise errors.InvalidArgumentError(f"{name}: expected {expected}, got {batch_size!r}.")
+
+
 def check_deferred_options(checkpoints, fallback, tensors_unavailable: str | None = None) -> None:
     """What ``patch()`` and ``wrap_model()`` can check before any graph exists, so that a
     mistake surfaces where it was made rather than at the first gradient: ``fallback`` and the

@@ -56,6 +56,32 @@ def gradients_applied_together():
         _GRADIENTS_HELD.reset(token)
 
 
+@contextlib.contextmanager
+def assume_batch_size(batch_size: int):
+    """Plan the ``gradients()`` calls inside for batches of ``batch_size`` examples where the
+    traced graph leaves the batch dimension unknown (a ``tf.function`` whose input signature
+    has a None batch size, Keras ``fit``'s step).
+
+    The memory model sizes tensors from their static shapes. Without this, an unknown
+    dimension counts as 1, so the plan is made for a batch of one example, where the weights
+    and their gradients weigh as much as a whole batch's activations: fractional budgets
+    (``"budget:50%"``) then keep far more than they need to, and budgets in bytes are refused.
+    Inside it, the first unknown dimension of each shape counts as ``batch_size`` (any further
+    unknown one as 1), and the plan is made for that batch (design note "unknown batch size").
+    The gradients are the same either way; only the plan and the predicted peaks change.
+    ``wrap_model`` does this for ``fit`` by itself, from the batch size of each ``fit`` call::
+
+        with memsave_grads.assume_batch_size(256):
+            grads = memsave_grads.gradients(loss, variables, checkpoints="budget:50%")
+
+    Raises:
+      InvalidTypeError, InvalidArgumentError: ``batch_size`` is not a positive int.
+    """
+    _validate.check_batch_size(batch_size)
+    with tf_graph.assumed_batch_size(int(batch_size)):
+        yield
+
+
 @tf.autograph.experimental.do_not_convert
 def gradients(ys: Targets, xs: Sources, grad_ys: Targets | None = None,
               checkpoints: Checkpoints = "collection", **tf_gradients_kwargs: Any) -> Gradients:

@@ -17,6 +17,7 @@ import tensorflow as tf
 from absl import logging
 
 from memsave_grads import _explain
+from memsave_grads import _validate
 from memsave_grads import errors
 from memsave_grads import measure as measure_lib
 from memsave_grads.core import budgets
@@ -67,10 +68,10 @@ def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size:
         ``batch_size`` examples.
       static_batch: a Keras model's step is traced with the batch size in every shape, as
         ``train_on_batch``, ``explain(model)`` and fit-limit trace it (default); False traces
-        it as ``fit`` does, with an unknown batch dimension, which the memory model counts as
-        1 (sizes per example: weights and their gradients then weigh as much as a whole
-        batch's activations, and a fractional budget may have no plan below plain). The two
-        plan differently at the same fraction (design note "calibrated budgets").
+        it as ``fit`` does, with an unknown batch dimension, planned for the batch's size as
+        ``wrap_model``'s ``fit`` plans it (design note "unknown batch size"). The returned
+        budget records the batch size (``calibration.batch_size``): a step traced with an
+        unknown one is planned for it where nothing else says the batch size.
       runs: measured runs per step (>= 1).
       max_measurements: plans measured at most (>= 1).
 
@@ -89,18 +90,19 @@ def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size:
     _check_count("runs", runs)
     _check_count("max_measurements", max_measurements)
     if _explain._is_keras_model(model_or_step):  # pylint: disable=protected-access
-        _explain._validate_batch_size(batch_size)  # pylint: disable=protected-access
+        _validate.check_batch_size(batch_size)
         if not isinstance(static_batch, bool):
             raise errors.InvalidTypeError(
                 f"static_batch: expected True or False, got {type(static_batch).__name__}: "
                 f"{static_batch!r:.60}.")
-        measure_step = _keras_step(model_or_step, batch_size, sequence_length, data, runs,
-                                   static_batch)
+        measure_step, examples = _keras_step(model_or_step, batch_size, sequence_length, data,
+                                             runs, static_batch)
         step = ("Keras step traced with its batch size, as train_on_batch traces it"
                 if static_batch else "Keras step traced with an unknown batch dimension, as "
                 "fit traces it")
     elif callable(model_or_step):
         measure_step, step = _function_step(model_or_step, runs), "step function"
+        examples = None
     else:
         raise errors.InvalidTypeError(
             f"model_or_step: expected a compiled Keras model or a function "
@@ -110,7 +112,8 @@ def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size:
     calibrated = core_calibration.calibrate(asked, measure_step,
                                             max_measurements=max_measurements)
     calibrated = dataclasses.replace(
-        calibrated, calibration=dataclasses.replace(calibrated.calibration, step=step))
+        calibrated, calibration=dataclasses.replace(calibrated.calibration, step=step,
+                                                    batch_size=examples))
     logging.info("memsave_grads: calibrated %s", calibrated.calibration)
     return calibrated
 
@@ -152,6 +155,7 @@ def _keras_step(model, batch_size, sequence_length, data, runs: int, static_batc
     if data is None:
         data = keras_lib.synthetic_batch(model, batch_size, sequence_length)
     x, y = tf.nest.map_structure(tf.convert_to_tensor, tuple(data))
+    examples = int(tf.nest.flatten(x)[0].shape[0])
     specs = tf.nest.map_structure(
         lambda t: tf.TensorSpec(t.shape if static_batch else [None] + t.shape[1:], t.dtype),
         (x, y))
@@ -167,7 +171,7 @@ def _keras_step(model, batch_size, sequence_length, data, runs: int, static_batc
         # hands an infeasible budget to the search, which re-aims it.
         def step(x, y):
             return keras_lib.train_step(model, (x, y), checkpoints=planned, fallback="error",
-                                        **settings)
+                                        batch_size=examples, **settings)
         concrete = tf.function(step, autograph=False).get_concrete_function(*specs)
         state = _training_state(model)  # after the trace: tf_keras makes its slots there
         saved = [tf.identity(tf.convert_to_tensor(v)) for v in state]
@@ -177,7 +181,7 @@ def _keras_step(model, batch_size, sequence_length, data, runs: int, static_batc
             for variable, value in zip(state, saved):
                 variable.assign(value)
 
-    return measure
+    return measure, examples
 
 
 def _function_step(step, runs: int):

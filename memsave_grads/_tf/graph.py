@@ -8,6 +8,8 @@ TensorFlow-free :class:`ForwardGraph`. Anything private we depend on is named he
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
 
 import tensorflow as tf
@@ -249,11 +251,19 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
     """Operations on some data path from an ``x`` to a ``y``, in topological (creation) order.
 
     Ops whose gradient the caller stops (``stop_gradients``) are not crossed going forward: what
-    lies beyond them is constant with respect to ``xs``.
+    lies beyond them is constant with respect to ``xs``. Nor are ops that read only a shape
+    (``op_types.SHAPE_OP_TYPES``), which are left out: with a batch size unknown at trace time,
+    ``tf.shape`` would otherwise pull shape arithmetic and dropout's random draws into the
+    region, and a kept random draw outweighs the boolean mask that plain ``tf.gradients`` holds
+    (design note "unknown batch size").
     """
     stop_ops = set(stop_ops)
-    downstream = set(walk([c for x in xs for c in x.consumers()],
-                          lambda op: () if op in stop_ops else consumer_ops(op)))
+
+    def crossed(op):
+        return () if op in stop_ops or op.type in op_types.SHAPE_OP_TYPES else consumer_ops(op)
+
+    downstream = {op for op in walk([c for x in xs for c in x.consumers()], crossed)
+                  if op.type not in op_types.SHAPE_OP_TYPES}
     upstream = walk([y.op for y in ys], input_ops, include=downstream.__contains__)
     return sorted((op for op in upstream if op not in stop_ops), key=creation_index)
 
@@ -344,22 +354,70 @@ def onednn_in_effect() -> bool:
     return bool(_pywrap_util_port.IsMklEnabled())
 
 
-def tensor_bytes(t: tf.Tensor) -> int:
-    """Static byte size of ``t``; unknown dimensions count as 1, unknown rank as one element.
+#: Examples the memory model counts for a traced batch dimension of unknown size (None in
+#: the static shape); None: count it as 1 (sizes per example). See :func:`assumed_batch_size`.
+_ASSUMED_BATCH_SIZE: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "memsave_grads_assumed_batch_size", default=None)
 
-    Counting every unknown (batch) dimension as 1 keeps sizes consistent *relative* to each
-    other, which is all the planners need.
+
+@contextlib.contextmanager
+def assumed_batch_size(examples: int | None):
+    """Within it, the memory model counts the first unknown dimension of each static shape as
+    ``examples`` (the batch a step traced with a None batch size runs), and any further unknown
+    dimension as 1 (design note "unknown batch size"). None leaves every unknown dimension at
+    1: sizes per example."""
+    token = _ASSUMED_BATCH_SIZE.set(examples)
+    try:
+        yield
+    finally:
+        _ASSUMED_BATCH_SIZE.reset(token)
+
+
+def current_assumed_batch_size() -> int | None:
+    """The batch size :func:`assumed_batch_size` put in effect, or None."""
+    return _ASSUMED_BATCH_SIZE.get()
+
+
+def _static_dims(shape) -> list[int]:
+    """``shape``'s dimensions with unknown ones filled in: the first as the assumed batch size
+    (1 without one), the others as 1. A shape of unknown rank has no dimensions (one element)."""
+    if shape.rank is None:
+        return []
+    batch = _ASSUMED_BATCH_SIZE.get() or 1
+    dims, batch_filled = [], False
+    for dim in shape.as_list():
+        if dim is None:
+            dims.append(1 if batch_filled else batch)
+            batch_filled = True
+        else:
+            dims.append(dim)
+    return dims
+
+
+def has_unsized_dimensions(shape) -> bool:
+    """Whether the memory model guesses part of ``shape``'s size: its rank is unknown, or it
+    has an unknown dimension that no assumed batch size stands for (with one, the first unknown
+    dimension is taken as the batch; without one, every unknown dimension is unsized)."""
+    if shape.rank is None:
+        return True
+    unknown = sum(dim is None for dim in shape.as_list())
+    return unknown > (1 if _ASSUMED_BATCH_SIZE.get() is not None else 0)
+
+
+def tensor_bytes(t: tf.Tensor) -> int:
+    """Static byte size of ``t``: unknown dimensions as :func:`_static_dims` fills them (the
+    first as the assumed batch size, 1 without one), unknown rank as one element.
+
+    Counting an unknown dimension as 1 keeps sizes consistent *relative* to each other, but
+    per example, where weights weigh as much as a whole batch's activations: a step traced
+    with a None batch size (Keras ``fit``) is planned for the batch it runs under
+    :func:`assumed_batch_size`.
     """
     try:
         itemsize = t.dtype.size
     except (AttributeError, TypeError):
         itemsize = 0
-    if t.shape.rank is None:
-        return itemsize
-    elements = 1
-    for dim in t.shape.as_list():
-        elements *= dim if dim is not None else 1
-    return elements * itemsize
+    return _elements(t.shape) * itemsize
 
 
 def op_bytes(op: tf.Operation) -> int:
@@ -367,19 +425,17 @@ def op_bytes(op: tf.Operation) -> int:
 
 
 def _elements(shape) -> int:
-    """Elements of a static shape; unknown dimensions count as 1 (as in :func:`tensor_bytes`)."""
-    if shape.rank is None:
-        return 1
+    """Elements of a static shape, unknown dimensions filled in as in :func:`tensor_bytes`."""
     count = 1
-    for dim in shape.as_list():
-        count *= dim if dim is not None else 1
+    for dim in _static_dims(shape):
+        count *= dim
     return count
 
 
 def _dim(shape, axis: int) -> int:
     if shape.rank is None or not -shape.rank <= axis < shape.rank:
         return 1
-    return shape[axis] if shape[axis] is not None else 1
+    return _static_dims(shape)[axis]
 
 
 def _einsum_flops(op: tf.Operation) -> float:

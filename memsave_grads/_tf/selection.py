@@ -54,10 +54,22 @@ class SelectionContext:
 
     @property
     def unknown_dimensions(self) -> bool:
-        """Some forward output has an unknown dimension (its size counts it as 1)."""
-        return any(op.outputs[0].shape.rank is None or None in op.outputs[0].shape.as_list()
+        """Some forward output's size is partly guessed: an unknown dimension that no assumed
+        batch size stands for counts as 1 (tf_graph.has_unsized_dimensions)."""
+        return any(tf_graph.has_unsized_dimensions(op.outputs[0].shape)
                    for i, op in enumerate(self.region)
                    if self.model.size_bytes[i] and op.outputs)
+
+    @property
+    def assumed_batch_size(self) -> int | None:
+        """The examples an unknown batch dimension of this region counts as
+        (tf_graph.assumed_batch_size), or None: none assumed, or every shape is known."""
+        examples = tf_graph.current_assumed_batch_size()
+        if examples is None:
+            return None
+        return examples if any(op.outputs and op.outputs[0].shape.rank
+                               and None in op.outputs[0].shape.as_list()
+                               for op in self.region) else None
 
     @property
     def workspace_bytes(self) -> list[int] | None:
@@ -105,10 +117,13 @@ def _conv2d_workspace_bytes(op: tf.Operation, differentiable: Callable[[tf.Tenso
         return 0
     image, kernel = op.inputs[0], op.inputs[1]
     output_shape, kernel_shape = op.outputs[0].shape, kernel.shape
-    if not (output_shape.is_fully_defined() and kernel_shape.is_fully_defined()):
+    if (tf_graph.has_unsized_dimensions(output_shape) or output_shape.rank != 4
+            or not kernel_shape.is_fully_defined()):
         return 0
     channels_first = op.get_attr("data_format") == b"NCHW"
-    height, width = output_shape[2:4] if channels_first else output_shape[1:3]
+    height, width = (output_shape[2:4] if channels_first else output_shape[1:3]).as_list()
+    if height is None or width is None:  # the assumed batch stood in for a spatial dimension
+        return 0
     rows, cols, in_channels, out_channels = kernel_shape.as_list()
     return memory_model.conv2d_gradient_workspace_bytes(
         output_pixels=height * width, window_pixels=rows * cols, in_channels=in_channels,

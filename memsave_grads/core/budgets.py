@@ -188,6 +188,9 @@ class Calibration:
       tries: the measured plans, in the order tried.
       step: how the measured step was made, for the record (``"Keras fit step, batch
         dimension unknown"``).
+      batch_size: the examples per batch of the measured step (a Keras model's), or None (a
+        step function). A step traced with an unknown batch size is planned for it where no
+        other batch size is known (``memsave_grads.keras.train_step``).
     """
 
     asked: "Budget"
@@ -195,6 +198,7 @@ class Calibration:
     plain_measured_bytes: int
     tries: tuple[CalibrationTry, ...]
     step: str = ""
+    batch_size: int | None = None
 
     @property
     def held(self) -> CalibrationTry | None:

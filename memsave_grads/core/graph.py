@@ -89,9 +89,11 @@ class ForwardGraph:
         return not self.grad_reads_inputs or self.grad_reads_inputs[node]
 
     def gradient_reads_input(self, node: int, input_node: int) -> bool:
-        """Whether ``node``'s gradient reads the output of ``input_node`` (one of its inputs)."""
-        return self.gradient_reads_inputs(node) and not (
-            self.unread_inputs and input_node in self.unread_inputs[node])
+        """Whether ``node``'s gradient reads the output of ``input_node`` (one of its inputs);
+        never where ``node`` passes no gradient back (a comparison): backprop runs no gradient
+        function for it."""
+        return (self.carries_gradient(node) and self.gradient_reads_inputs(node)
+                and not (self.unread_inputs and input_node in self.unread_inputs[node]))
 
     def forwards_buffer(self, node: int) -> bool:
         return bool(self.forwards) and self.forwards[node]
@@ -100,7 +102,8 @@ class ForwardGraph:
         return not (self.no_gradient and self.no_gradient[node])
 
     def gradient_reads_output(self, node: int) -> bool:
-        return bool(self.grad_reads_output) and self.grad_reads_output[node]
+        return (bool(self.grad_reads_output) and self.grad_reads_output[node]
+                and self.carries_gradient(node))
 
     def is_view(self, node: int) -> bool:
         return bool(self.views) and self.views[node]

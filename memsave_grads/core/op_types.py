@@ -64,6 +64,12 @@ def is_expensive_op_type(op_type: str) -> bool:
 #: capture). A copy of one is a new, unfed input: it is never replayed, its value is read.
 FEED_OP_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault"})
 
+#: Op types whose output depends only on the *shape* of their input, never on its values: what
+#: is computed from them (shape arithmetic, a dropout mask drawn for a dynamic batch size) is
+#: constant with respect to ``xs`` and is the same when a copy runs again (design note "unknown
+#: batch size"), so the forward region does not extend through them.
+SHAPE_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
 #: Op types whose output is an alias of memory that exists anyway (a variable's buffer, a
 #: constant, a fed value): it costs no bytes and no FLOPs in the memory model.
 ALIAS_OP_TYPES = frozenset({"ReadVariableOp", "VarHandleOp", "Placeholder", "Const"})
