@@ -62,6 +62,28 @@ def test_unknown_batch_is_flagged():
     assert "unknown dimensions" in str(report)
 
 
+@pytest.mark.parametrize("batch,reads_values", [(4, False), (None, True)])
+def test_a_select_s_gradient_reads_its_values_only_through_a_dynamic_shape(batch, reads_values):
+    """Dropout's ``tf.where(mask, h * scale, 0)``: the gradient reads the mask, and the values'
+    shapes only where they are not static (``tf.shape`` then keeps the values alive)."""
+    from memsave_grads import api
+
+    graph = tf.Graph()
+    with graph.as_default():
+        w = tf.Variable(tf.ones([8, 8]))
+        x = tf.compat.v1.placeholder(tf.float32, [batch, 8])
+        h = tf.matmul(x, w, name="h")
+        mask = tf.greater(h, 0.5, name="mask")
+        scaled = tf.multiply(h, 1.25, name="scaled")
+        dropped = tf.where(mask, scaled, tf.zeros([], tf.float32), name="dropped")
+        loss = tf.reduce_sum(tf.tanh(dropped))
+        model = api._prepare(loss, [w], None, [], {}, select=False).selection.model  # pylint: disable=protected-access
+    node = {name: i for i, name in enumerate(model.names)}
+    assert model.gradient_reads_input(node["dropped"], node["scaled"]) == reads_values
+    # The comparison passes no gradient back, so nothing it reads is held for backprop.
+    assert not model.gradient_reads_input(node["mask"], node["h"])
+
+
 def test_model_reads_inputs_per_edge():
     """`0.5 * h` and `h / 2` keep no `h` (only the constant's pruned gradient reads it); `h * w`
     keeps both; relu6's gradient reads its output, and elementwise ops may write in place."""

@@ -548,11 +548,13 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
     for op in region:
         differentiable = [carries_gradients(t) and (t.op in index or t.ref() in x_refs)
                           for t in op.inputs]
+        static_shapes = all(t.shape.is_fully_defined()
+                            for t in (*op.inputs, *op.outputs) if t.dtype != tf.resource)
         read = {}
         for i, t in enumerate(op.inputs):
             if t.op in index:
                 read[index[t.op]] = read.get(index[t.op], False) or \
-                    op_types.gradient_reads_input(op.type, i, differentiable)
+                    op_types.gradient_reads_input(op.type, i, differentiable, static_shapes)
         unread.append(frozenset(p for p, r in read.items() if not r))
     # A view (reshape, identity) costs no bytes, but "reads" its input whenever a consumer's
     # gradient reads the view: that keeps the shared buffer alive in the memory model.

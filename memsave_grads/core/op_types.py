@@ -150,6 +150,12 @@ GRADIENT_READS_OTHER_INPUTS_OP_TYPES = frozenset({
 #: (d(x/y)/dx = 1/y): ``x / 2.0`` does not keep ``x``.
 GRADIENT_READS_NUMERATOR_FOR_DENOMINATOR_OP_TYPES = frozenset({"RealDiv", "Div", "DivNoNan"})
 
+#: Op types whose gradient reads only its first input (the condition of ``SelectV2``: dropout's
+#: mask), given static shapes; with a dynamic shape it reads the others' shapes too, which
+#: keeps them alive (``_ReduceGradientArgs`` calls ``tf.shape``). ``Select`` (v1) is not one:
+#: its gradient takes ``zeros_like`` of an input.
+GRADIENT_READS_CONDITION_ONLY_OP_TYPES = frozenset({"SelectV2"})
+
 #: Op types whose output is its inputs' values, passed on or summed, when the values are
 #: gradients: ``tf.gradients`` wraps gradients in identities and adds partials with ``AddN``.
 #: Followed backward from a gradient they lead to the ops that really compute it (a weight
@@ -169,11 +175,15 @@ def gradient_reads_inputs(op_type: str) -> bool:
     return op_type not in GRADIENT_IGNORES_INPUTS_OP_TYPES
 
 
-def gradient_reads_input(op_type: str, index: int, differentiable: list[bool]) -> bool:
+def gradient_reads_input(op_type: str, index: int, differentiable: list[bool],
+                         static_shapes: bool = False) -> bool:
     """Whether an op's gradient reads its input ``index``, given which of its inputs need a
-    gradient (``differentiable[i]``: input ``i`` depends on ``xs``)."""
+    gradient (``differentiable[i]``: input ``i`` depends on ``xs``) and whether its inputs'
+    and outputs' shapes are all static."""
     if not gradient_reads_inputs(op_type):
         return False
+    if op_type in GRADIENT_READS_CONDITION_ONLY_OP_TYPES and static_shapes:
+        return index == 0
     others = any(d for i, d in enumerate(differentiable) if i != index)
     if op_type in GRADIENT_READS_OTHER_INPUTS_OP_TYPES:
         return others
