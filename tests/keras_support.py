@@ -29,3 +29,18 @@ def fresh_keras():
     yield
     for keras in KERAS.values():
         keras.backend.set_floatx("float32")
+
+
+def bn_dropout_mlp(keras, depth=16, width=256):
+    """A deep MLP with batch norm and dropout, compiled with SGD and momentum: state a
+    training-mode forward pass moves, and masks backprop reads."""
+    inputs = keras.Input((width,))
+    h = inputs
+    for _ in range(depth):
+        h = keras.layers.Dense(width, activation="tanh")(h)
+        h = keras.layers.BatchNormalization()(h)
+        h = keras.layers.Dropout(0.1)(h)
+    outputs = keras.layers.Dense(10)(h)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="mse")
+    return model

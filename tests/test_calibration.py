@@ -7,25 +7,11 @@ import tensorflow as tf
 
 import memsave_grads as mg
 from children import ALLOCATOR_PREAMBLE, run_json
-from keras_support import FLAVOURS, KERAS, fresh_keras  # noqa: F401  (autouse fixture)
+from keras_support import FLAVOURS, KERAS, bn_dropout_mlp, fresh_keras  # noqa: F401  (fixture)
 from memsave_grads import calibration
 from memsave_grads import measure
 
 MIB = 2**20
-
-
-def _model(keras, depth=16, width=256):
-    """A deep MLP with batch norm and dropout: state a training-mode forward pass moves."""
-    inputs = keras.Input((width,))
-    h = inputs
-    for _ in range(depth):
-        h = keras.layers.Dense(width, activation="tanh")(h)
-        h = keras.layers.BatchNormalization()(h)
-        h = keras.layers.Dropout(0.1)(h)
-    outputs = keras.layers.Dense(10)(h)
-    model = keras.Model(inputs, outputs)
-    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="mse")
-    return model
 
 
 def _values(variables):
@@ -35,7 +21,7 @@ def _values(variables):
 @FLAVOURS
 def test_a_keras_model_s_calibrated_budget_measures_within_what_was_asked(flavour):
     keras = KERAS[flavour]
-    model = _model(keras)
+    model = bn_dropout_mlp(keras)
     # Batch 1024: activations (~40 MiB plain) outweigh the weight gradients (4 MiB), which
     # tf_keras holds to the end; at batch 256 no plan measured below 67% of the plain step.
     x = np.random.default_rng(0).standard_normal((1024, 256)).astype("float32")
@@ -56,14 +42,14 @@ def test_a_keras_model_s_calibrated_budget_measures_within_what_was_asked(flavou
         np.testing.assert_array_equal(old, new)
     # The same plan measured again, in a fresh trace, stays near what calibration saw (the
     # executor's order moves a peak by up to ~10%).
-    again, _ = calibration._keras_step(model, 32, None, (x, y), runs=2, static_batch=True)
+    again, _ = calibration._keras_step(model, 32, None, (x, y), runs=2, static_batch=False)
     again = again(budget)
     assert again <= 1.15 * record.target_bytes, (again / MIB, record)
-    # And it trains: the calibrated budget is a budget like any other (train_on_batch traces
-    # the batch size into the shapes, as the calibration did).
+    # And it trains under fit, planned for the batch size the calibration recorded.
     mg.wrap_model(model, budget)
-    loss = model.train_on_batch(x, y)
-    assert np.isfinite(np.asarray(loss, dtype=float)).all()
+    history = model.fit(x, y, batch_size=1024, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert model.train_step.traced_batch_size == 1024
 
 
 def test_a_step_function_is_calibrated_with_tf_gradients_as_its_plain_step():
@@ -98,7 +84,7 @@ def test_a_step_function_is_calibrated_with_tf_gradients_as_its_plain_step():
 
 
 def test_a_budget_no_plan_measures_within_is_refused_in_measured_terms():
-    model = _model(KERAS["keras3"], depth=2, width=64)
+    model = bn_dropout_mlp(KERAS["keras3"], depth=2, width=64)
     with pytest.raises(mg.InfeasibleBudgetError) as caught:
         mg.calibrate_budget(model, "budget:1%", batch_size=16, max_measurements=2)
     error = caught.value
@@ -116,7 +102,7 @@ def test_a_budget_no_plan_measures_within_is_refused_in_measured_terms():
     (dict(budget="budget:50%", batch_size=0), mg.InvalidArgumentError, "batch_size"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(kwargs, kind, words, monkeypatch):
-    model = _model(KERAS["keras3"], depth=1, width=8)
+    model = bn_dropout_mlp(KERAS["keras3"], depth=1, width=8)
     ran = []
     monkeypatch.setattr(measure, "step_peak_bytes", lambda *a, **k: ran.append(1))
     kwargs.setdefault("model_or_step", model)

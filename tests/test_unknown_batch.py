@@ -8,7 +8,8 @@ import pytest
 import tensorflow as tf
 
 import memsave_grads as mg
-from keras_support import FLAVOURS, KERAS, clear_session, fresh_keras  # noqa: F401  (fixture)
+from keras_support import (FLAVOURS, KERAS, bn_dropout_mlp, clear_session,  # noqa: F401
+                           fresh_keras)
 from memsave_grads import keras as keras_lib
 from memsave_grads import measure
 from memsave_grads._tf import graph as tf_graph
@@ -228,18 +229,11 @@ def test_the_planned_batch_size_comes_from_the_call_then_a_calibration(caplog):
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
 
 
-def _fit_step_peaks_mib(keras, checkpoints, batch_size=1024, width=256, depth=16):
+def _fit_step_peaks_mib(keras, checkpoints, batch_size=1024, width=256):
     """Per-step allocator peaks of fit on a BN/dropout MLP whose data is not a whole number of
     batches, so that fit traces its step with a None batch size."""
     keras.utils.set_random_seed(0)
-    inputs = keras.Input((width,))
-    h = inputs
-    for _ in range(depth):
-        h = keras.layers.Dense(width, activation="tanh")(h)
-        h = keras.layers.BatchNormalization()(h)
-        h = keras.layers.Dropout(0.1)(h)
-    model = keras.Model(inputs, keras.layers.Dense(10)(h))
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    model = bn_dropout_mlp(keras, width=width)
     if checkpoints is not None:
         mg.wrap_model(model, checkpoints)
     rows = 3 * batch_size + batch_size // 2
@@ -263,9 +257,9 @@ def _fit_step_peaks_mib(keras, checkpoints, batch_size=1024, width=256, depth=16
 
 
 def test_tf_keras_fit_with_a_none_batch_and_dropout_peaks_lower():
-    """Measured (TF 2.21, CPU): stock 47.8-50.0 MiB; "memory" 23.2-24.2 MiB. Before the region
-    stopped at shape reads it kept every layer's random draw and peaked at 48.2-56.0 MiB,
-    above stock."""
+    """Measured (TF 2.21, CPU, SGD without momentum): stock 47.8-50.0 MiB; "memory" 23.2-24.2
+    MiB. Before the region stopped at shape reads it kept every layer's random draw and peaked
+    at 48.2-56.0 MiB, above stock. Momentum adds its 4 MiB slots to both."""
     keras = KERAS["keras2"]
     stock = max(_fit_step_peaks_mib(keras, None))
     clear_session(keras)
