@@ -366,7 +366,8 @@ def _accepted_checkpoints(tensors_allowed: bool) -> str:
             f"('budget:4GiB', 'budget:50%', memsave_grads.Budget) or {lists}")
 
 
-def check_checkpoints(checkpoints, tensors_unavailable: str | None = None) -> None:
+def check_checkpoints(checkpoints, tensors_unavailable: str | None = None,
+                      can_calibrate: bool = False) -> None:
     """Refuse a ``checkpoints=`` argument of the wrong form (one message per mistake, whoever
     the caller): an unknown strategy name, a malformed budget, an empty list, a list item that
     is neither a graph tensor nor a well-formed name pattern, or another type.
@@ -375,12 +376,21 @@ def check_checkpoints(checkpoints, tensors_unavailable: str | None = None) -> No
       checkpoints: as given to ``gradients()``, ``patch()`` or ``wrap_model()``.
       tensors_unavailable: why tensors cannot be given here (Keras traces the training step
         after ``wrap_model`` returns), or None where they can: then lists must hold patterns.
+      can_calibrate: whether the caller runs the training step before it trains, so that a
+        budget asking for calibration can be measured there (``wrap_model``).
     """
     tensors_allowed = tensors_unavailable is None
-    if isinstance(checkpoints, budgets.Budget):
-        return  # checked when it was made
     if budgets.is_budget_string(checkpoints):
-        budgets.Budget.parse(checkpoints)
+        checkpoints = budgets.Budget.parse(checkpoints)
+    if isinstance(checkpoints, budgets.Budget):  # its values were checked when it was made
+        if checkpoints.calibrate and checkpoints.calibration is None and not can_calibrate:
+            raise errors.InvalidArgumentError(
+                f"checkpoints: a calibrated budget ({checkpoints.describe()}) is measured by "
+                "running the whole training step under several plans before it trains; "
+                "here only one gradient computation is seen, while it is traced. Calibrate "
+                "the step first and pass the result: budget = memsave_grads.calibrate_budget("
+                "model_or_step, budget) (design note \"calibrated budgets\"), or train a Keras "
+                "model with memsave_grads.wrap_model(model, budget), whose fit calibrates it.")
         return
     if isinstance(checkpoints, str):
         if checkpoints not in selection.STRATEGIES:
@@ -447,9 +457,10 @@ def check_batch_size(batch_size, name: str = "batch_size", allow_none: bool = Fa
         raise errors.InvalidArgumentError(f"{name}: expected {expected}, got {batch_size!r}.")
 
 
-def check_deferred_options(checkpoints, fallback, tensors_unavailable: str | None = None) -> None:
+def check_deferred_options(checkpoints, fallback, tensors_unavailable: str | None = None,
+                           can_calibrate: bool = False) -> None:
     """What ``patch()`` and ``wrap_model()`` can check before any graph exists, so that a
     mistake surfaces where it was made rather than at the first gradient: ``fallback`` and the
     form of ``checkpoints`` (see :func:`check_checkpoints`)."""
     check_fallback(fallback)
-    check_checkpoints(checkpoints, tensors_unavailable)
+    check_checkpoints(checkpoints, tensors_unavailable, can_calibrate)

@@ -318,8 +318,7 @@ def _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, infeasible, caller
     """Under ``fallback="warn"``, a budget below every plan's predicted peak gets the plan with
     the smallest predicted peak (or plain tf.gradients where no plan beats it), and one warning
     with the numbers; a training loop goes on with the least memory we can offer."""
-    asked = checkpoints if isinstance(checkpoints, budgets.Budget) else \
-        budgets.Budget.parse(checkpoints)
+    asked = budgets.as_budget(checkpoints)
     plain_bytes = infeasible.plain_peak_bytes
 
     def share(nbytes):

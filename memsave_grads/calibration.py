@@ -121,10 +121,9 @@ def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size:
 
 
 def _asked_budget(budget) -> budgets.Budget:
-    if isinstance(budget, budgets.Budget):
-        return budget.calibration.asked if budget.calibration is not None else budget
-    if budgets.is_budget_string(budget):
-        return budgets.Budget.parse(budget)
+    parsed = budgets.as_budget(budget)
+    if parsed is not None:
+        return parsed.calibration.asked if parsed.calibration is not None else parsed
     raise errors.InvalidTypeError(
         f"budget: expected a memsave_grads.Budget or a 'budget:...' string such as "
         f"'budget:50%', got {type(budget).__name__}: {budget!r:.80}.")

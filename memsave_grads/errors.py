@@ -54,12 +54,15 @@ class InfeasibleBudgetError(InvalidArgumentError):
       budget_bytes: the budget asked for, in bytes (a fraction resolved against the plain peak).
       plain_peak_bytes: the predicted peak of plain ``tf.gradients`` on the same graph, so a
         caller can state both numbers as fractions of it or ask again with a fraction.
+      calibration: from :func:`memsave_grads.calibrate_budget` (where the three numbers above
+        are measured, not predicted): the ``Calibration`` with every measured try.
     """
 
     # No __init__ of its own, so that the type survives AutoGraph (see MemsaveGradsError).
     min_feasible_bytes: int | None = None
     budget_bytes: int | None = None
     plain_peak_bytes: int | None = None
+    calibration: object = None
 
 
 class MissingDependencyError(MemsaveGradsError, ImportError):

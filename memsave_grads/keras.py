@@ -13,8 +13,10 @@ imported when a model of its kind is wrapped (docs/keras.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
+import math
 import weakref
 from typing import TypeVar
 
@@ -23,7 +25,9 @@ from absl import logging
 
 from memsave_grads import _validate
 from memsave_grads import api
+from memsave_grads import calibration
 from memsave_grads import errors
+from memsave_grads import measure
 from memsave_grads import optimize
 from memsave_grads import recomputation
 from memsave_grads._tf import early_release
@@ -110,11 +114,12 @@ _TENSORS_UNAVAILABLE = (
     "exist yet; name the ops to keep with glob patterns such as '*dense_3*/Tanh'.")
 
 
-def _check_options(checkpoints, fallback) -> None:
+def _check_options(checkpoints, fallback, can_calibrate: bool = False) -> None:
     """What can be checked before Keras traces the step; tensors of that graph do not exist
     yet, so a list must hold name patterns."""
     _validate.check_deferred_options(checkpoints, fallback,
-                                     tensors_unavailable=_TENSORS_UNAVAILABLE)
+                                     tensors_unavailable=_TENSORS_UNAVAILABLE,
+                                     can_calibrate=can_calibrate)
 
 
 def _is_compiled(model, version: str) -> bool:
@@ -455,7 +460,9 @@ def train_step(model, data, checkpoints="memory", fallback: str = "warn",
       model: a compiled Keras model (tf_keras, or Keras 3 with the TensorFlow backend).
       data: the batch Keras passes to ``train_step``.
       checkpoints: as in :func:`memsave_grads.gradients`, without tensors (name patterns are
-        fine); None: plain ``tf.gradients`` in the same step.
+        fine); None: plain ``tf.gradients`` in the same step. A budget asking for
+        calibration is refused here (the step is being traced): calibrate it first with
+        :func:`memsave_grads.calibrate_budget`, or use :func:`wrap_model`, which does.
       fallback: ``"warn"``: where the strategy finds nothing to keep (``NoCheckpointsFoundError``)
         or cannot rewrite the graph, log a warning and use ``tf.gradients``; ``"error"``: raise.
       recompute_cells: Keras 3 recurrent layers (LSTM, GRU, SimpleRNN, RNN(cell)) recompute
@@ -518,8 +525,7 @@ def _planned_batch_size(model, data, checkpoints, batch_size: int | None) -> int
         return None
     if batch_size is not None:
         return int(batch_size)
-    budget = (budgets.Budget.parse(checkpoints) if budgets.is_budget_string(checkpoints)
-              else checkpoints if isinstance(checkpoints, budgets.Budget) else None)
+    budget = budgets.as_budget(checkpoints)
     calibration = getattr(budget, "calibration", None)
     if calibration is not None and calibration.batch_size is not None:
         return calibration.batch_size
@@ -570,11 +576,45 @@ class _WrappedTrainStep:
         self.fit_batch_size: int | None = None
         #: The batch size the cached training function was planned for.
         self.traced_batch_size: int | None = None
+        #: A budget asking for calibration (``Budget.calibrate``), calibrated per batch:
+        #: (examples, whether the trace knows the batch size) -> the calibrated budget; None ->
+        #: the budget planned on the prediction where the batch could not be read.
+        self.calibrated: dict[tuple[int, bool] | None, budgets.Budget] = {}
+        #: The batch the next trace runs, once ``fit``/``train_on_batch`` calibrated for it.
+        self.calibration_key: tuple[int, bool] | None = None
+        #: The checkpoints the cached training function was planned with.
+        self.traced_checkpoints = None
+
+    def needs_calibration(self) -> bool:
+        budget = budgets.as_budget(self.checkpoints)
+        return budget is not None and budget.calibrate and budget.calibration is None
+
+    def planned_checkpoints(self):
+        """The checkpoints the next trace plans with: a budget asking for calibration is
+        replaced by its calibration for the batch ``fit``/``train_on_batch`` runs."""
+        if not self.needs_calibration():
+            return self.checkpoints
+        calibrated = self.calibrated.get(self.calibration_key)
+        if calibrated is not None:
+            return calibrated
+        # Traced by a path that ran nothing first (evaluate's or a custom loop's call of
+        # make_train_function, fit with batches whose size cannot be read): planned on the
+        # prediction; _calibrate_for_batch said why, or says so here once.
+        uncalibrated = dataclasses.replace(budgets.as_budget(self.checkpoints), calibrate=False)
+        if self not in _WARNED_UNCALIBRATED:
+            _WARNED_UNCALIBRATED.add(self)
+            logging.warning(
+                "memsave_grads.keras: %s: the training step was traced before any batch "
+                "was seen, so %s is planned on the predicted peak, not calibrated. fit "
+                "and train_on_batch calibrate it on their batch first.",
+                getattr(self._model(), "name", "model"), uncalibrated.describe())
+        return uncalibrated
 
     def __call__(self, data):
         planned = self.batch_size or self.fit_batch_size
         self.traced_batch_size = planned
-        return train_step(self._model(), data, checkpoints=self.checkpoints,
+        self.traced_checkpoints = self.planned_checkpoints()
+        return train_step(self._model(), data, checkpoints=self.traced_checkpoints,
                           fallback=self.fallback, recompute_cells=self.recompute_cells,
                           release_gradients_early=self.release_gradients_early,
                           batch_size=planned)
@@ -586,10 +626,15 @@ class _WrappedTrainStep:
                 f"batch_size={self.batch_size!r}>")
 
 
+#: Wrapped steps already warned that they were traced before calibration.
+_WARNED_UNCALIBRATED: "weakref.WeakSet" = weakref.WeakSet()
+
+
 class _WrappedFit:
     """What ``model.fit`` becomes on a wrapped model: the class's ``fit``, after reading the
-    batch size of the call for the plan (design note "unknown batch size"). A training
-    function planned for another batch size is traced again."""
+    batch size of the call for the plan (design note "unknown batch size") and calibrating a
+    budget that asks for it on the call's first batch (design note "calibrated budgets"). A
+    training function planned for another batch size or budget is traced again."""
 
     def __init__(self, model):
         self._model = weakref.ref(model)
@@ -597,18 +642,182 @@ class _WrappedFit:
     def __call__(self, *args, **kwargs):
         model = self._model()
         step = model.__dict__.get("train_step")
-        if isinstance(step, _WrappedTrainStep) and step.batch_size is None:
-            step.fit_batch_size = _fit_batch_size(type(model).fit, model, args, kwargs)
-            if (step.fit_batch_size is not None and model.train_function is not None
-                    and step.fit_batch_size != step.traced_batch_size):
-                logging.info("memsave_grads.keras: %s: planning the step again for batches of "
-                             "%d (it was planned for %s)", model.name, step.fit_batch_size,
-                             step.traced_batch_size)
-                model.train_function = None
+        if isinstance(step, _WrappedTrainStep):
+            if step.batch_size is None:
+                step.fit_batch_size = _fit_batch_size(type(model).fit, model, args, kwargs)
+            if step.needs_calibration():
+                batch, static = _fit_calibration_batch(type(model).fit, model, args, kwargs,
+                                                       step.batch_size or step.fit_batch_size)
+                _calibrate_for_batch(model, step, batch, static)
+            _retrace_if_replanned(model, step)
         return type(model).fit(model, *args, **kwargs)
 
     def __repr__(self):
         return "<memsave_grads fit: reads the batch size for the plan>"
+
+
+class _WrappedTrainOnBatch:
+    """What ``model.train_on_batch`` becomes on a wrapped model whose budget asks for
+    calibration: the class's ``train_on_batch``, after calibrating on the batch it is given
+    (the first of each size)."""
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+
+    def __call__(self, *args, **kwargs):
+        model = self._model()
+        step = model.__dict__.get("train_step")
+        if isinstance(step, _WrappedTrainStep) and step.needs_calibration():
+            try:
+                bound = inspect.signature(type(model).train_on_batch).bind(model, *args, **kwargs)
+            except TypeError:  # train_on_batch itself will say what is wrong with the call
+                bound = None
+            arguments = bound.arguments if bound is not None else {}
+            batch = (arguments.get("x"), arguments.get("y"))
+            _calibrate_for_batch(model, step, batch if batch[1] is not None else None, True)
+            _retrace_if_replanned(model, step)
+        return type(model).train_on_batch(model, *args, **kwargs)
+
+    def __repr__(self):
+        return "<memsave_grads train_on_batch: calibrates the budget on its batch>"
+
+
+def _retrace_if_replanned(model, step: _WrappedTrainStep) -> None:
+    """Drop the cached training function where the next trace would plan differently: for
+    another batch size, or under another calibration."""
+    if model.train_function is None or step.traced_checkpoints is None:
+        return
+    batch_size = step.batch_size or step.fit_batch_size
+    replanned = step.planned_checkpoints() != step.traced_checkpoints
+    if replanned or (batch_size is not None and batch_size != step.traced_batch_size):
+        logging.info("memsave_grads.keras: %s: planning the step again (batches of %s, %s; "
+                     "it was planned for %s, %s)", model.name, batch_size,
+                     _describe_checkpoints(step.planned_checkpoints()), step.traced_batch_size,
+                     _describe_checkpoints(step.traced_checkpoints))
+        model.train_function = None
+
+
+def _describe_checkpoints(checkpoints) -> str:
+    budget = budgets.as_budget(checkpoints)
+    return budget.describe() if budget is not None else repr(checkpoints)
+
+
+def _calibrate_for_batch(model, step: _WrappedTrainStep, batch, static: bool) -> None:
+    """Calibrate ``step``'s budget on ``batch`` (``(x, y)``, or None: a random batch of the
+    step's batch size) traced as the training function will trace it (``static``: with its
+    batch size in the shapes), unless already done for its size; where it cannot be, plan on
+    the prediction (``fallback="warn"``: one warning) or raise (``"error"``)."""
+    asked = budgets.as_budget(step.checkpoints)
+    batch_size = step.batch_size or step.fit_batch_size
+    if batch is not None:
+        examples = _leading_dimension(batch[0])
+    else:
+        examples = batch_size
+    if examples is None:
+        step.calibration_key = None
+        if None not in step.calibrated:
+            _calibration_failed(model, step, asked, "the batch size of this fit call cannot be "
+                                "read without drawing from its data (pass wrap_model(..., "
+                                "batch_size=N))")
+            step.calibrated[None] = dataclasses.replace(asked, calibrate=False)
+        return
+    key = (examples, static)
+    step.calibration_key = key
+    if key in step.calibrated:
+        return
+    if getattr(model, "jit_compile", False) is True:
+        logging.warning("memsave_grads.keras: %s: the step is compiled by XLA, and %s is "
+                        "calibrated on the step without XLA, whose peak XLA's scheduling may "
+                        "move either way; measure the result (fit-limit) before relying on it.",
+                        model.name, asked.describe())
+    logging.info("memsave_grads.keras: %s: calibrating %s on a batch of %d (%s)", model.name,
+                 asked.describe(), examples, "its size in the trace" if static else
+                 "an unknown batch dimension in the trace, as fit traces it")
+    try:
+        calibrated = calibration.calibrate_budget(model, asked, batch_size=examples,
+                                                  data=batch, static_batch=static)
+    except errors.InfeasibleBudgetError as infeasible:
+        if step.fallback == "error":
+            raise
+        calibrated = _smallest_measured_budget(asked, infeasible)
+        logging.warning("memsave_grads.keras: %s: %s Training goes on with %s.", model.name,
+                        infeasible, "the plan of the smallest measured peak"
+                        if calibrated is not None else "the uncalibrated budget")
+        if calibrated is None:
+            calibrated = dataclasses.replace(asked, calibrate=False)
+    except (errors.MemsaveGradsError, tf.errors.OpError) as failure:
+        if step.fallback == "error" or isinstance(failure, measure.AllocatorStatsUnavailableError):
+            raise
+        _calibration_failed(model, step, asked, f"calibration failed: {failure}")
+        calibrated = dataclasses.replace(asked, calibrate=False)
+    step.calibrated[key] = calibrated
+
+
+def _smallest_measured_budget(asked: budgets.Budget, infeasible) -> budgets.Budget | None:
+    """The budget planning where the calibration measured its smallest peak (so that
+    ``fallback="warn"`` trains with the least memory measured), or None where nothing was
+    measured."""
+    record = getattr(infeasible, "calibration", None)
+    if record is None or not record.tries:
+        return None
+    smallest = min(record.tries, key=lambda t: (t.measured_bytes, -t.planned_fraction))
+    return dataclasses.replace(asked, bytes=None, fraction=smallest.planned_fraction,
+                               calibration=record, calibrate=False)
+
+
+def _calibration_failed(model, step: _WrappedTrainStep, asked: budgets.Budget,
+                        why: str) -> None:
+    if step.fallback == "error":
+        raise errors.InvalidArgumentError(
+            f"checkpoints: {asked.describe()} of {getattr(model, 'name', 'model')} cannot be "
+            f"calibrated: {why}. Calibrate with memsave_grads.calibrate_budget(model, budget, "
+            "data=(x, y)) and wrap with its result, or wrap with fallback='warn' to plan on "
+            "the prediction.")
+    logging.warning("memsave_grads.keras: %s: %s cannot be calibrated (%s); it is planned on "
+                    "the predicted peak.", getattr(model, "name", "model"), asked.describe(),
+                    why)
+
+
+def _leading_dimension(value) -> int | None:
+    leaves = [leaf for leaf in tf.nest.flatten(value) if hasattr(leaf, "shape")]
+    if not leaves or not leaves[0].shape or not isinstance(leaves[0].shape[0], int):
+        return None
+    return int(leaves[0].shape[0])
+
+
+def _fit_calibration_batch(fit, model, args, kwargs, batch_size: int | None):
+    """``(batch, static)``: a batch of a ``fit(*args, **kwargs)`` call to calibrate on,
+    ``(x, y)`` or None (a random batch of ``batch_size`` will do), and whether the training
+    function will be traced with the batch size in its shapes.
+
+    Arrays give their first ``batch_size`` examples; Keras 2 and 3 trace a static batch
+    where every batch is full (the examples left after ``validation_split`` divide evenly),
+    else an unknown one. A ``tf.data.Dataset`` gives its first element (one batch read) and its
+    element spec says whether the batch size is static. Generators and ``PyDataset``s are
+    not drawn from (a random batch, traced as unknown)."""
+    try:
+        bound = inspect.signature(fit).bind(model, *args, **kwargs)
+    except TypeError:
+        return None, False
+    x, y = bound.arguments.get("x"), bound.arguments.get("y")
+    if isinstance(x, tf.data.Dataset):
+        spec = tf.nest.flatten(x.element_spec)
+        shape = getattr(spec[0], "shape", None) if spec else None
+        static = isinstance(shape, tf.TensorShape) and bool(shape.rank) and shape[0] is not None
+        element = next(iter(x.take(1)), None)
+        if isinstance(element, (tuple, list)) and len(element) >= 2 and element[1] is not None:
+            return (element[0], element[1]), static
+        return None, static
+    examples = _leading_dimension(x)
+    if examples is None or y is None or _leading_dimension(y) != examples or not batch_size:
+        return None, False
+    split = bound.arguments.get("validation_split") or 0.0
+    training_examples = int(math.floor(examples * (1.0 - split))) if split else examples
+    size = min(batch_size, training_examples)
+    if size < 1:
+        return None, False
+    batch = tf.nest.map_structure(lambda a: a[:size], (x, y))
+    return batch, training_examples % size == 0
 
 
 #: Keras' batch size when ``fit`` gets arrays and no ``batch_size`` (Keras 2 and 3).
@@ -678,8 +887,19 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
         in TF >= 2.16) with the TensorFlow backend, whose class does not define its own
         ``train_step`` (call :func:`train_step` from yours instead).
       checkpoints: as in :func:`memsave_grads.gradients`: ``"memory"`` (default), ``"speed"``,
-        a budget, or a list of op-name patterns (not tensors: the step is traced later).
-      fallback: ``"warn"`` (default) or ``"error"``; see :func:`train_step`.
+        a budget, or a list of op-name patterns (not tensors: the step is traced later). A
+        budget asking for calibration (``"budget:50%:calibrated"``,
+        ``Budget(fraction=0.5, calibrate=True)``) is held against *measured* peaks: before
+        ``fit`` (or ``train_on_batch``) first trains on batches of a size, it runs
+        :func:`memsave_grads.calibrate_budget` on one of them (the first ``batch_size``
+        examples of arrays, a dataset's first batch; a random batch for generators), traced
+        as the training function will be, then plans with the result (design note
+        "calibrated budgets"). That costs the plain step and 2-6 plans' steps, once per batch
+        size; every variable they change is restored. It needs the plain step to fit.
+      fallback: ``"warn"`` (default) or ``"error"``; see :func:`train_step`. For a calibrated
+        budget, ``"warn"`` also trains with the plan of the smallest measured peak where no
+        plan measured within the budget (one warning with the numbers), and on the
+        prediction where the step cannot be measured; ``"error"`` raises.
       recompute_cells: Keras 3 recurrent layers recompute inside their loop (default); see
         :func:`train_step`.
       release_gradients_early: Keras 3: apply each weight's update as soon as its gradient is
@@ -694,23 +914,33 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
     Raises:
       InvalidTypeError: not a Keras model, or checkpoints of a type we cannot use.
       InvalidArgumentError: not compiled, running eagerly, built in a TF1 graph, defining its
-        own ``train_step``, or a bad ``fallback``; UnknownStrategyError for an unknown name.
+        own ``train_step``, or a bad ``fallback``; UnknownStrategyError for an unknown name; a
+        budget to calibrate on a model under a ``tf.distribute`` strategy.
+      AllocatorStatsUnavailableError: a budget to calibrate where the allocator keeps no
+        statistics (on CPU, set ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts).
       MissingDependencyError: its Keras package cannot be imported.
     """
     version = keras_version(model)
-    _check_options(checkpoints, fallback)
+    _check_options(checkpoints, fallback, can_calibrate=True)
     _check_flags(recompute_cells=recompute_cells,
                  release_gradients_early=release_gradients_early)
     _validate.check_batch_size(batch_size, allow_none=True)
     _check_model(model, version, "wrap_model")
     if release_gradients_early:
         _check_early_release(model, version)
+    step = _WrappedTrainStep(model, checkpoints, fallback, recompute_cells,
+                             release_gradients_early, batch_size)
+    if step.needs_calibration():
+        _check_calibration_possible(model)
     if is_wrapped(model):
         logging.info("memsave_grads.keras: re-wrapping %s with checkpoints=%r", model.name,
                      checkpoints)
-    model.train_step = _WrappedTrainStep(model, checkpoints, fallback, recompute_cells,
-                                         release_gradients_early, batch_size)
+    model.train_step = step
     model.fit = _WrappedFit(model)
+    if step.needs_calibration():
+        model.train_on_batch = _WrappedTrainOnBatch(model)
+    else:
+        model.__dict__.pop("train_on_batch", None)
     model.train_function = None
     logging.info("memsave_grads.keras: wrapped %s (%s), checkpoints=%r", model.name, version,
                  checkpoints)
@@ -730,10 +960,24 @@ def unwrap_model(model: _Model) -> _Model:
         raise errors.InvalidArgumentError(
             f"model: unwrap_model: {getattr(model, 'name', model)!r} is not wrapped; "
             "check memsave_grads.keras.is_wrapped(model).")
-    model.__dict__.pop("train_step", None)
-    model.__dict__.pop("fit", None)
+    for wrapped in ("train_step", "fit", "train_on_batch"):
+        model.__dict__.pop(wrapped, None)
     model.train_function = None
     return model
+
+
+def _check_calibration_possible(model) -> None:
+    """What a budget asking for calibration needs, checked at ``wrap_model``: allocator
+    statistics (on CPU, an environment variable read when TensorFlow starts), and one device:
+    the calibration runs the step outside any ``tf.distribute`` strategy."""
+    strategy = getattr(model, "distribute_strategy", None)
+    if strategy is not None and type(strategy).__name__ != "_DefaultDistributionStrategy":
+        raise errors.InvalidArgumentError(
+            f"checkpoints: a calibrated budget measures the training step on one device, and "
+            f"{model.name} trains under {type(strategy).__name__}. Calibrate a copy of the model "
+            "built outside the strategy (memsave_grads.calibrate_budget(model, budget, "
+            "batch_size=per_replica_batch)) and wrap this one with its result.")
+    measure.check_allocator_stats()
 
 
 # --------------------------------------------------------------------------------------------

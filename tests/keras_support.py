@@ -44,3 +44,30 @@ def bn_dropout_mlp(keras, depth=16, width=256):
     model = keras.Model(inputs, outputs)
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="mse")
     return model
+
+
+def fit_step_peaks_mib(keras, model, batch_size=1024, width=256):
+    """Per-step allocator peaks (MiB above what was in use before the step) of ``model.fit`` on
+    3.5 batches of random data, so that fit traces its step with a None batch size: the
+    whole batches after the first (which allocates kernel scratch)."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from memsave_grads import measure  # pylint: disable=import-outside-toplevel
+    rows = 3 * batch_size + batch_size // 2
+    x = np.random.default_rng(0).standard_normal((rows, width)).astype("float32")
+    y = np.zeros((rows, 10), "float32")
+    peaks = []
+
+    class Peaks(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            self.before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+        def on_train_batch_end(self, batch, logs=None):
+            info = tf.config.experimental.get_memory_info("CPU:0")
+            peaks.append((info["peak"] - self.before) / 2**20)
+
+    measure.check_allocator_stats()
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
+              callbacks=[Peaks()])
+    return peaks[1:3]

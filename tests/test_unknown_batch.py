@@ -9,9 +9,8 @@ import tensorflow as tf
 
 import memsave_grads as mg
 from keras_support import (FLAVOURS, KERAS, bn_dropout_mlp, clear_session,  # noqa: F401
-                           fresh_keras)
+                           fit_step_peaks_mib, fresh_keras)
 from memsave_grads import keras as keras_lib
-from memsave_grads import measure
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads.core import budgets
 
@@ -236,24 +235,7 @@ def _fit_step_peaks_mib(keras, checkpoints, batch_size=1024, width=256):
     model = bn_dropout_mlp(keras, width=width)
     if checkpoints is not None:
         mg.wrap_model(model, checkpoints)
-    rows = 3 * batch_size + batch_size // 2
-    x = np.random.default_rng(0).standard_normal((rows, width)).astype("float32")
-    y = np.zeros((rows, 10), "float32")
-    peaks = []
-
-    class Peaks(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            tf.config.experimental.reset_memory_stats("CPU:0")
-            self.before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-
-        def on_train_batch_end(self, batch, logs=None):
-            info = tf.config.experimental.get_memory_info("CPU:0")
-            peaks.append((info["peak"] - self.before) / MIB)
-
-    measure.check_allocator_stats()
-    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
-              callbacks=[Peaks()])
-    return peaks[1:3]  # whole batches after the first (which allocates kernel scratch)
+    return fit_step_peaks_mib(keras, model, batch_size, width)
 
 
 def test_tf_keras_fit_with_a_none_batch_and_dropout_peaks_lower():

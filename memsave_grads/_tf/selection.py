@@ -257,10 +257,9 @@ def select(ctx: SelectionContext, checkpoints) -> set[tf.Operation]:
     """Dispatch on the form of ``checkpoints``: a budget, a strategy name, or a list of
     tensors/patterns. Its form was checked by ``_validate.check_checkpoints`` (the one owner
     of those checks and their messages) before any graph was read."""
-    if isinstance(checkpoints, budgets.Budget):
-        return select_budget(ctx, checkpoints)
-    if budgets.is_budget_string(checkpoints):
-        return select_budget(ctx, budgets.Budget.parse(checkpoints))
+    budget = budgets.as_budget(checkpoints)
+    if budget is not None:
+        return select_budget(ctx, budget)
     if isinstance(checkpoints, str):
         return STRATEGIES[checkpoints](ctx)
     if isinstance(checkpoints, tf.Tensor):

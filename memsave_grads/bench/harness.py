@@ -389,10 +389,8 @@ def summary_line(results: Sequence[Result], method: Method) -> str | None:
 def _budget_fraction(method: Method) -> float | None:
     """The fraction of tf.gradients' peak the method's budget asks for (a calibrated budget:
     what was asked, not the fraction it plans at)."""
-    budget = method.checkpoints
-    if isinstance(budget, str) and budgets.is_budget_string(budget):
-        budget = budgets.Budget.parse(budget)
-    if not isinstance(budget, budgets.Budget):
+    budget = budgets.as_budget(method.checkpoints)
+    if budget is None:
         return None
     return budget.calibration.asked.fraction if budget.calibration else budget.fraction
 

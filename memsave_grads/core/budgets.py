@@ -3,8 +3,8 @@
 A :class:`Budget` says how much memory the training step may use, in bytes or as a fraction of
 what plain ``tf.gradients`` is predicted to use. It is a ``checkpoints=`` argument, like a
 strategy name, and has a string form for :func:`memsave_grads.patch`:
-``"budget:4GiB"``, ``"budget:60%"``, ``"budget:0.6"``, optionally naming the solver:
-``"budget:60%:milp"``.
+``"budget:4GiB"``, ``"budget:60%"``, ``"budget:0.6"``, optionally naming the solver
+(``"budget:60%:milp"``) and asking for measured plans (``"budget:60%:calibrated"``).
 
 This module is TensorFlow-free: it defines the budget as the user gives it, its string form,
 and recompute costs calibrated from a measured profile (:func:`calibrated_costs`). The planning
@@ -36,6 +36,8 @@ SOLVER_NAMES = ("greedy", "dp", "milp", "revolve")
 #: to give (every solver plans at this budget).
 MAX_BUDGET_BYTES = 2**63 - 1
 STRING_PREFIX = "budget:"
+#: The string form's word for ``Budget(calibrate=True)``.
+CALIBRATED_WORD = "calibrated"
 
 _AMOUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
 
@@ -65,6 +67,12 @@ class Budget:
       calibration: set by :func:`memsave_grads.calibrate_budget` (never by hand): the budget
         the user asked for and the measured steps that re-aimed ``fraction`` so that the plan
         measures within it (see :class:`Calibration`).
+      calibrate: True: hold the budget against *measured* peaks, not predicted ones, where
+        the training step can be run before it trains: under ``wrap_model``, ``fit`` and
+        ``train_on_batch`` calibrate it (:func:`memsave_grads.calibrate_budget`) on the first
+        batch of each batch size (design note "calibrated budgets"). Where no step can be run
+        first (``gradients``, ``patch``, ``minimize``) it is refused: calibrate the step
+        yourself and pass the result.
 
     Among the plans whose predicted peak fits, the solver returns one that recomputes least.
     A budget below the smallest predicted peak any plan reaches raises
@@ -80,6 +88,7 @@ class Budget:
                                                                repr=False)
     calibration: "Calibration | None" = dataclasses.field(default=None, compare=False,
                                                           repr=False)
+    calibrate: bool = False
 
     def __post_init__(self):
         if (self.bytes is None) == (self.fraction is None):
@@ -98,6 +107,10 @@ class Budget:
                 f"Budget.calibration: expected a Calibration made by "
                 f"memsave_grads.calibrate_budget, got {type(self.calibration).__name__}. Leave "
                 "it out and call calibrate_budget(model_or_step, budget).")
+        if not isinstance(self.calibrate, bool):
+            raise errors.InvalidTypeError(
+                f"Budget.calibrate: expected True or False, got {type(self.calibrate).__name__}: "
+                f"{self.calibrate!r:.60}.")
         if not isinstance(self.solver, str) or self.solver not in SOLVER_NAMES:
             raise errors.InvalidArgumentError(
                 f"Budget.solver: unknown solver {self.solver!r}; expected one of "
@@ -105,19 +118,28 @@ class Budget:
 
     @classmethod
     def parse(cls, text: str) -> "Budget":
-        """The string form: ``"budget:<amount>[:<solver>]"``.
+        """The string form: ``"budget:<amount>[:<solver>][:calibrated]"``.
 
         ``<amount>`` is bytes with a unit (``4GiB``, ``512MB``, ``1e9B``), a percentage
-        (``60%``) or a bare number in (0, 1] (a fraction).
+        (``60%``) or a bare number in (0, 1] (a fraction); ``calibrated`` sets ``calibrate``.
         """
         if not isinstance(text, str):
             raise errors.InvalidTypeError(
                 f"checkpoints: expected a budget string such as 'budget:4GiB' or 'budget:60%', "
                 f"got {type(text).__name__}: {text!r:.80}.")
         body = text[len(STRING_PREFIX):] if text.startswith(STRING_PREFIX) else text
-        amount, _, solver = body.partition(":")
+        amount, *options = body.split(":")
+        options = [option.strip() for option in options]
+        calibrate = CALIBRATED_WORD in options
+        solvers = [option for option in options if option != CALIBRATED_WORD]
+        if len(solvers) > 1 or options.count(CALIBRATED_WORD) > 1:
+            raise errors.InvalidArgumentError(
+                f"checkpoints: malformed budget {text!r}: after the amount, expected at most a "
+                f"solver ({', '.join(SOLVER_NAMES)}) and '{CALIBRATED_WORD}', got "
+                f"{':'.join(options)!r}. Example: 'budget:50%:dp:{CALIBRATED_WORD}'.")
+        solver = solvers[0] if solvers else ""
         example = ("Examples: 'budget:4GiB', 'budget:512MiB', 'budget:60%', 'budget:0.6', "
-                   "'budget:60%:milp'.")
+                   f"'budget:60%:milp', 'budget:60%:{CALIBRATED_WORD}'.")
         match = _AMOUNT.match(amount)
         if not match:
             raise errors.InvalidArgumentError(
@@ -126,14 +148,14 @@ class Budget:
         value, unit = float(match.group(1)), match.group(2).lower()
         solver = solver.strip() or DEFAULT_SOLVER
         if unit == "%":
-            return cls(fraction=value / 100, solver=solver)
+            return cls(fraction=value / 100, solver=solver, calibrate=calibrate)
         if not unit:
             if value > 1:
                 raise errors.InvalidArgumentError(
                     f"checkpoints: budget {text!r} has no unit; a bare number is a fraction in "
                     f"(0, 1]. Write bytes with a unit ('{match.group(1)}B', "
                     f"'{match.group(1)}MiB') or a percentage. {example}")
-            return cls(fraction=value, solver=solver)
+            return cls(fraction=value, solver=solver, calibrate=calibrate)
         if unit not in BYTE_UNITS:
             raise errors.InvalidArgumentError(
                 f"checkpoints: budget {text!r} has an unknown unit {match.group(2)!r}; expected "
@@ -145,10 +167,12 @@ class Budget:
                 f"checkpoints: budget {text!r} is larger than the largest budget, "
                 f"{MAX_BUDGET_BYTES} bytes (8 EiB). Pass the memory the step may use, such as "
                 f"'budget:4GiB', or a fraction. {example}")
-        return cls(bytes=int(nbytes), solver=solver)
+        return cls(bytes=int(nbytes), solver=solver, calibrate=calibrate)
 
     def __repr__(self) -> str:
         fields = (f"bytes={self.bytes!r}, fraction={self.fraction!r}, solver={self.solver!r}")
+        if self.calibrate:
+            fields += ", calibrate=True"
         if self.calibration is not None:
             fields += f", calibrated_from={self.calibration.asked!r}"
         return f"Budget({fields})"
@@ -158,7 +182,7 @@ class Budget:
             return (f"{self.calibration.asked.describe()}, calibrated: planned at "
                     f"{self.fraction:.1%} of the predicted plain peak")
         amount = format_bytes(self.bytes) if self.bytes is not None else f"{self.fraction:.0%}"
-        return f"budget {amount} ({self.solver})"
+        return f"budget {amount} ({self.solver}{', calibrated' if self.calibrate else ''})"
 
     def resolve_bytes(self, plain_peak_bytes: int) -> int:
         """The budget in bytes, given plain ``tf.gradients``' predicted peak."""
@@ -231,6 +255,14 @@ class Calibration:
 
 def is_budget_string(value) -> bool:
     return isinstance(value, str) and value.startswith(STRING_PREFIX)
+
+
+def as_budget(checkpoints) -> Budget | None:
+    """``checkpoints`` as a :class:`Budget` where it is one or its string form, else None
+    (a strategy name, a list)."""
+    if isinstance(checkpoints, Budget):
+        return checkpoints
+    return Budget.parse(checkpoints) if is_budget_string(checkpoints) else None
 
 
 def _checked_bytes(value) -> int:

@@ -84,7 +84,8 @@ def calibrate(asked: budgets.Budget, measure: MeasureStep, *,
     aim = min(1.0, target_bytes / plain_bytes) if plain_bytes > 0 else 1.0
     planning_failures = flat_steps = 0
     while len(tries) < max_measurements and planning_failures <= max_measurements:
-        planned = dataclasses.replace(asked, bytes=None, fraction=aim, calibration=None)
+        planned = dataclasses.replace(asked, bytes=None, fraction=aim, calibration=None,
+                                      calibrate=False)
         try:
             measured = int(measure(planned))
         except errors.InfeasibleBudgetError as infeasible:
@@ -115,8 +116,10 @@ def calibrate(asked: budgets.Budget, measure: MeasureStep, *,
                                  plain_measured_bytes=plain_bytes, tries=tuple(tries))
     if record.held is None:
         raise _infeasible(record)
+    # calibrate=False: this budget is the calibration's result; wrap_model does not measure
+    # it again (a budget asking for calibration has none yet).
     return dataclasses.replace(asked, bytes=None, fraction=record.held.planned_fraction,
-                               calibration=record)
+                               calibration=record, calibrate=False)
 
 
 def _next_aim(aim: float, measured: int, target: int, held_at: float | None,
@@ -164,4 +167,5 @@ def _infeasible(record: budgets.Calibration) -> errors.InfeasibleBudgetError:
     error.min_feasible_bytes = smallest
     error.budget_bytes = record.target_bytes
     error.plain_peak_bytes = plain
+    error.calibration = record
     return error
