@@ -385,9 +385,10 @@ def check_checkpoints(checkpoints, tensors_unavailable: str | None = None,
     if isinstance(checkpoints, budgets.Budget):  # its values were checked when it was made
         if checkpoints.calibrate and checkpoints.calibration is None and not can_calibrate:
             raise errors.InvalidArgumentError(
-                f"checkpoints: a calibrated budget ({checkpoints.describe()}) is measured by "
-                "running the whole training step under several plans before it trains; "
-                "here only one gradient computation is seen, while it is traced. Calibrate "
+                f"checkpoints: expected a budget this call can plan, got one asking for "
+                f"calibration ({checkpoints.describe()}), which is measured by running the "
+                "whole training step under several plans before it trains; here only one "
+                "gradient computation is seen, while it is traced. Calibrate "
                 "the step first and pass the result: budget = memsave_grads.calibrate_budget("
                 "model_or_step, budget) (design note \"calibrated budgets\"), or train a Keras "
                 "model with memsave_grads.wrap_model(model, budget), whose fit calibrates it.")

@@ -582,8 +582,10 @@ class _WrappedTrainStep:
         self.calibrated: dict[tuple[int, bool] | None, budgets.Budget] = {}
         #: The batch the next trace runs, once ``fit``/``train_on_batch`` calibrated for it.
         self.calibration_key: tuple[int, bool] | None = None
-        #: The checkpoints the cached training function was planned with.
+        #: The checkpoints the cached training function was planned with, and the
+        #: calibration key it was traced for.
         self.traced_checkpoints = None
+        self.traced_key: tuple[int, bool] | None = None
 
     def needs_calibration(self) -> bool:
         budget = budgets.as_budget(self.checkpoints)
@@ -594,9 +596,8 @@ class _WrappedTrainStep:
         replaced by its calibration for the batch ``fit``/``train_on_batch`` runs."""
         if not self.needs_calibration():
             return self.checkpoints
-        calibrated = self.calibrated.get(self.calibration_key)
-        if calibrated is not None:
-            return calibrated
+        if self.calibration_key in self.calibrated:
+            return self.calibrated[self.calibration_key]  # None: plain tf.gradients measured least
         # Traced by a path that ran nothing first (evaluate's or a custom loop's call of
         # make_train_function, fit with batches whose size cannot be read): planned on the
         # prediction; _calibrate_for_batch said why, or says so here once.
@@ -611,9 +612,13 @@ class _WrappedTrainStep:
         return uncalibrated
 
     def __call__(self, data):
-        planned = self.batch_size or self.fit_batch_size
-        self.traced_batch_size = planned
         self.traced_checkpoints = self.planned_checkpoints()
+        self.traced_key = self.calibration_key
+        calibrated = getattr(budgets.as_budget(self.traced_checkpoints), "calibration", None)
+        # A calibrated budget is planned for the batch it was measured on.
+        planned = (calibrated.batch_size if self.needs_calibration() and calibrated is not None
+                   and calibrated.batch_size else self.batch_size or self.fit_batch_size)
+        self.traced_batch_size = planned
         return train_step(self._model(), data, checkpoints=self.traced_checkpoints,
                           fallback=self.fallback, recompute_cells=self.recompute_cells,
                           release_gradients_early=self.release_gradients_early,
@@ -672,10 +677,11 @@ class _WrappedTrainOnBatch:
                 bound = inspect.signature(type(model).train_on_batch).bind(model, *args, **kwargs)
             except TypeError:  # train_on_batch itself will say what is wrong with the call
                 bound = None
-            arguments = bound.arguments if bound is not None else {}
-            batch = (arguments.get("x"), arguments.get("y"))
-            _calibrate_for_batch(model, step, batch if batch[1] is not None else None, True)
-            _retrace_if_replanned(model, step)
+            if bound is not None:
+                x, y = bound.arguments.get("x"), bound.arguments.get("y")
+                _calibrate_for_batch(model, step, (x, y) if y is not None else None, True,
+                                     examples=_leading_dimension(x))
+                _retrace_if_replanned(model, step)
         return type(model).train_on_batch(model, *args, **kwargs)
 
     def __repr__(self):
@@ -688,7 +694,10 @@ def _retrace_if_replanned(model, step: _WrappedTrainStep) -> None:
     if model.train_function is None or step.traced_checkpoints is None:
         return
     batch_size = step.batch_size or step.fit_batch_size
-    replanned = step.planned_checkpoints() != step.traced_checkpoints
+    # Calibrated budgets of two keys may have equal fractions (Budget equality ignores the
+    # calibration record), yet their traces differ: compare the keys.
+    replanned = (step.calibration_key != step.traced_key if step.needs_calibration()
+                 else step.planned_checkpoints() != step.traced_checkpoints)
     if replanned or (batch_size is not None and batch_size != step.traced_batch_size):
         logging.info("memsave_grads.keras: %s: planning the step again (batches of %s, %s; "
                      "it was planned for %s, %s)", model.name, batch_size,
@@ -702,23 +711,31 @@ def _describe_checkpoints(checkpoints) -> str:
     return budget.describe() if budget is not None else repr(checkpoints)
 
 
-def _calibrate_for_batch(model, step: _WrappedTrainStep, batch, static: bool) -> None:
-    """Calibrate ``step``'s budget on ``batch`` (``(x, y)``, or None: a random batch of the
-    step's batch size) traced as the training function will trace it (``static``: with its
-    batch size in the shapes), unless already done for its size; where it cannot be, plan on
-    the prediction (``fallback="warn"``: one warning) or raise (``"error"``)."""
+def _calibrate_for_batch(model, step: _WrappedTrainStep, batch, static: bool,
+                         examples: int | None = None) -> None:
+    """Calibrate ``step``'s budget on ``batch`` (``(x, y)``, or None: a random batch of
+    ``examples``, by default the step's batch size) traced as the training function will trace
+    it (``static``: with its batch size in the shapes), unless already done for its size; where
+    it cannot be, plan on the prediction (``fallback="warn"``: one warning) or raise
+    (``"error"``)."""
     asked = budgets.as_budget(step.checkpoints)
-    batch_size = step.batch_size or step.fit_batch_size
     if batch is not None:
         examples = _leading_dimension(batch[0])
-    else:
-        examples = batch_size
+    elif examples is None:
+        examples = step.batch_size or step.fit_batch_size
+    if not getattr(model, "built", True):
+        step.calibration_key = None
+        if None not in step.calibrated:
+            _calibration_failed(model, step, asked, "the model is not built yet, and its "
+                                "variables are made by the first step (give it an Input, or "
+                                "call model.build(input_shape) before fit)")
+            step.calibrated[None] = dataclasses.replace(asked, calibrate=False)
+        return
     if examples is None:
         step.calibration_key = None
         if None not in step.calibrated:
-            _calibration_failed(model, step, asked, "the batch size of this fit call cannot be "
-                                "read without drawing from its data (pass wrap_model(..., "
-                                "batch_size=N))")
+            _calibration_failed(model, step, asked, "the batch size cannot be read without "
+                                "drawing from the data (pass wrap_model(..., batch_size=N))")
             step.calibrated[None] = dataclasses.replace(asked, calibrate=False)
         return
     key = (examples, static)
@@ -742,11 +759,12 @@ def _calibrate_for_batch(model, step: _WrappedTrainStep, batch, static: bool) ->
         calibrated = _smallest_measured_budget(asked, infeasible)
         logging.warning("memsave_grads.keras: %s: %s Training goes on with %s.", model.name,
                         infeasible, "the plan of the smallest measured peak"
-                        if calibrated is not None else "the uncalibrated budget")
-        if calibrated is None:
+                        if calibrated is not None else "plain tf.gradients, which measured "
+                        "no more than any plan")
+        if calibrated is None and not getattr(infeasible, "calibration", None):
             calibrated = dataclasses.replace(asked, calibrate=False)
-    except (errors.MemsaveGradsError, tf.errors.OpError) as failure:
-        if step.fallback == "error" or isinstance(failure, measure.AllocatorStatsUnavailableError):
+    except (*errors.FALLBACK_ERRORS, tf.errors.OpError) as failure:
+        if step.fallback == "error":
             raise
         _calibration_failed(model, step, asked, f"calibration failed: {failure}")
         calibrated = dataclasses.replace(asked, calibrate=False)
@@ -755,12 +773,14 @@ def _calibrate_for_batch(model, step: _WrappedTrainStep, batch, static: bool) ->
 
 def _smallest_measured_budget(asked: budgets.Budget, infeasible) -> budgets.Budget | None:
     """The budget planning where the calibration measured its smallest peak (so that
-    ``fallback="warn"`` trains with the least memory measured), or None where nothing was
-    measured."""
+    ``fallback="warn"`` trains with the least memory measured), or None (plain
+    ``tf.gradients`` in the step) where nothing measured less than the plain step."""
     record = getattr(infeasible, "calibration", None)
     if record is None or not record.tries:
         return None
     smallest = min(record.tries, key=lambda t: (t.measured_bytes, -t.planned_fraction))
+    if smallest.measured_bytes >= record.plain_measured_bytes:
+        return None
     return dataclasses.replace(asked, bytes=None, fraction=smallest.planned_fraction,
                                calibration=record, calibrate=False)
 
@@ -809,15 +829,19 @@ def _fit_calibration_batch(fit, model, args, kwargs, batch_size: int | None):
             return (element[0], element[1]), static
         return None, static
     examples = _leading_dimension(x)
-    if examples is None or y is None or _leading_dimension(y) != examples or not batch_size:
+    if examples is None or not batch_size:
         return None, False
     split = bound.arguments.get("validation_split") or 0.0
-    training_examples = int(math.floor(examples * (1.0 - split))) if split else examples
+    if bound.arguments.get("validation_data") is not None:
+        split = 0.0  # Keras ignores validation_split then
+    training_examples = int(math.floor(examples * (1.0 - split)))
+    # Fewer examples than a batch: one partial batch, traced as unknown.
+    fit_batch = bound.arguments.get("batch_size") or KERAS_DEFAULT_BATCH_SIZE
+    static = training_examples >= fit_batch and training_examples % fit_batch == 0
     size = min(batch_size, training_examples)
-    if size < 1:
-        return None, False
-    batch = tf.nest.map_structure(lambda a: a[:size], (x, y))
-    return batch, training_examples % size == 0
+    if size < 1 or y is None or _leading_dimension(y) != examples:
+        return None, static
+    return tf.nest.map_structure(lambda a: a[:size], (x, y)), static
 
 
 #: Keras' batch size when ``fit`` gets arrays and no ``batch_size`` (Keras 2 and 3).

@@ -32,13 +32,13 @@ def test_the_string_form_names_calibration_beside_the_solver(text, expected):
     assert parsed == expected
     assert parsed.calibrate == expected.calibrate  # equality includes it
     assert ("calibrate=True" in repr(parsed)) == expected.calibrate
-    assert ("calibrated" in parsed.describe()) == expected.calibrate
+    assert ("to calibrate" in parsed.describe()) == expected.calibrate
 
 
 @pytest.mark.parametrize("text", ["budget:50%:dp:milp", "budget:50%:calibrated:calibrated",
                                   "budget:50%:calibrate"])
 def test_a_malformed_option_list_is_refused(text):
-    with pytest.raises(mg.InvalidArgumentError, match="checkpoints|Budget.solver"):
+    with pytest.raises(mg.InvalidArgumentError, match="checkpoints: .*calibrated"):
         mg.Budget.parse(text)
 
 
@@ -64,7 +64,7 @@ def test_gradients_refuses_an_uncalibrated_budget_before_adding_ops():
 
 
 def test_patch_refuses_it_when_patching():
-    with pytest.raises(mg.InvalidArgumentError, match="calibrated budget"):
+    with pytest.raises(mg.InvalidArgumentError, match="asking for calibration"):
         mg.patch(mg.Budget(fraction=0.5, calibrate=True))
     assert not mg.patching.is_patched()
 
@@ -179,16 +179,46 @@ def test_a_dataset_s_first_batch_is_calibrated_on(flavour, calibrations):
     assert calibrations == [(32, True, True)]
 
 
-def test_train_on_batch_calibrates_on_its_batch(calibrations):
-    keras = KERAS["keras3"]
+@FLAVOURS
+def test_train_on_batch_calibrates_on_its_batch_and_traces_per_size(flavour, calibrations):
+    keras = KERAS[flavour]
     model = bn_dropout_mlp(keras, depth=4, width=64)
     mg.wrap_model(model, "budget:60%:calibrated")
     x, y = _data(48)
     model.train_on_batch(x, y)
+    first_function = model.train_function
     model.train_on_batch(x, y)
+    assert model.train_function is first_function
     assert calibrations == [(48, True, True)]
+    step = model.train_step
+    assert step.traced_checkpoints == step.calibrated[(48, True)]
+    model.train_on_batch(x[:40], y[:40])     # another size: calibrated and traced again,
+    assert calibrations == [(48, True, True), (40, True, True)]
+    assert model.train_function is not first_function
+    assert step.traced_key == (40, True)
     mg.unwrap_model(model)
     assert "train_on_batch" not in model.__dict__ and "fit" not in model.__dict__
+
+
+def test_fewer_examples_than_a_batch_are_traced_as_an_unknown_batch(calibrations):
+    keras = KERAS["keras3"]
+    model = bn_dropout_mlp(keras, depth=2, width=64)
+    mg.wrap_model(model, "budget:60%:calibrated")
+    x, y = _data(48)
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    assert calibrations == [(48, False, True)]
+
+
+def test_an_unbuilt_model_is_planned_on_the_prediction_with_one_warning(calibrations, caplog):
+    keras = KERAS["keras3"]
+    model = keras.Sequential([keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(10)])
+    model.compile(optimizer="sgd", loss="mse")
+    mg.wrap_model(model, "budget:60%:calibrated")
+    x, y = _data(64, width=16)
+    with caplog.at_level(logging.WARNING):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert calibrations == []
+    assert any("not built yet" in r.getMessage() for r in caplog.records)
 
 
 def test_a_generator_s_batch_size_comes_from_wrap_model(calibrations, caplog):

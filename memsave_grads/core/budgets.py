@@ -138,6 +138,11 @@ class Budget:
                 f"solver ({', '.join(SOLVER_NAMES)}) and '{CALIBRATED_WORD}', got "
                 f"{':'.join(options)!r}. Example: 'budget:50%:dp:{CALIBRATED_WORD}'.")
         solver = solvers[0] if solvers else ""
+        if solver and solver not in SOLVER_NAMES:
+            raise errors.InvalidArgumentError(
+                f"checkpoints: budget {text!r} has an unknown solver {solver!r}; expected one "
+                f"of {', '.join(SOLVER_NAMES)}, or '{CALIBRATED_WORD}'. Example: "
+                f"'budget:50%:{CALIBRATED_WORD}'.")
         example = ("Examples: 'budget:4GiB', 'budget:512MiB', 'budget:60%', 'budget:0.6', "
                    f"'budget:60%:milp', 'budget:60%:{CALIBRATED_WORD}'.")
         match = _AMOUNT.match(amount)
@@ -179,10 +184,11 @@ class Budget:
 
     def describe(self) -> str:
         if self.calibration is not None:
-            return (f"{self.calibration.asked.describe()}, calibrated: planned at "
+            return (f"{dataclasses.replace(self.calibration.asked, calibrate=False).describe()}"
+                    f", calibrated: planned at "
                     f"{self.fraction:.1%} of the predicted plain peak")
         amount = format_bytes(self.bytes) if self.bytes is not None else f"{self.fraction:.0%}"
-        return f"budget {amount} ({self.solver}{', calibrated' if self.calibrate else ''})"
+        return f"budget {amount} ({self.solver}{', to calibrate' if self.calibrate else ''})"
 
     def resolve_bytes(self, plain_peak_bytes: int) -> int:
         """The budget in bytes, given plain ``tf.gradients``' predicted peak."""
