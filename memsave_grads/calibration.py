@@ -10,7 +10,6 @@ budgets"). It returns a budget to pass where budgets go (``wrap_model``, ``gradi
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 
 import tensorflow as tf
@@ -23,9 +22,7 @@ from memsave_grads import measure as measure_lib
 from memsave_grads.core import budgets
 from memsave_grads.core import calibration as core_calibration
 
-#: Measured runs of each step after its warm-up run; the largest peak counts (the executor's
-#: order moves a step's peak by up to 10%, and a budget is a bound).
-DEFAULT_RUNS = 2
+DEFAULT_RUNS = measure_lib.DEFAULT_RUNS
 
 
 def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size: int = 32,
@@ -97,25 +94,20 @@ def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size:
             raise errors.InvalidTypeError(
                 f"static_batch: expected True or False, got {type(static_batch).__name__}: "
                 f"{static_batch!r:.60}.")
-        measure_step, examples = _keras_step(model_or_step, batch_size, sequence_length, data,
-                                             runs, static_batch)
-        step = ("Keras step traced with its batch size, as train_on_batch traces it"
-                if static_batch else "Keras step traced with an unknown batch dimension, as "
-                f"fit traces it, planned for {examples} examples")
-    elif callable(model_or_step):
-        measure_step, step = _function_step(model_or_step, runs), "step function"
-        examples = None
-    else:
+        from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
+        return keras_lib.calibrate_model(model_or_step, asked, batch_size=batch_size,
+                                         sequence_length=sequence_length, data=data,
+                                         static_batch=static_batch, runs=runs,
+                                         max_measurements=max_measurements)
+    if not callable(model_or_step):
         raise errors.InvalidTypeError(
             f"model_or_step: expected a compiled Keras model or a function "
             f"step(checkpoints) that returns gradients, got {type(model_or_step).__name__}: "
             f"{model_or_step!r:.80}.")
     measure_lib.check_allocator_stats()
-    calibrated = core_calibration.calibrate(asked, measure_step,
-                                            max_measurements=max_measurements)
-    calibrated = dataclasses.replace(
-        calibrated, calibration=dataclasses.replace(calibrated.calibration, step=step,
-                                                    batch_size=examples))
+    calibrated = core_calibration.calibrate(asked, _function_step(model_or_step, runs),
+                                            max_measurements=max_measurements,
+                                            step="step function")
     logging.info("memsave_grads: calibrated %s", calibrated.calibration)
     return calibrated
 
@@ -132,57 +124,6 @@ def _asked_budget(budget) -> budgets.Budget:
 def _check_count(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise errors.InvalidArgumentError(f"{name}: expected an int >= 1, got {value!r:.60}.")
-
-
-def _training_state(model) -> list:
-    """Every variable one training step may change: weights, batch-norm statistics, dropout
-    seeds, the optimizer's slots and iterations, the metrics' totals."""
-    optimizer_variables = getattr(model.optimizer, "variables", [])
-    if callable(optimizer_variables):  # tf_keras legacy optimizers: a method
-        optimizer_variables = optimizer_variables()
-    found, seen = [], set()
-    for v in [*model.variables, *optimizer_variables,
-              *(v for metric in model.metrics for v in metric.variables)]:
-        if id(v) not in seen:
-            seen.add(id(v))
-            found.append(v)
-    return found
-
-
-def _keras_step(model, batch_size, sequence_length, data, runs: int, static_batch: bool):
-    from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
-    version = keras_lib.keras_version(model)
-    keras_lib._check_model(model, version, "calibrate_budget")  # pylint: disable=protected-access
-    if data is None:
-        data = keras_lib.synthetic_batch(model, batch_size, sequence_length)
-    x, y = tf.nest.map_structure(tf.convert_to_tensor, tuple(data))
-    examples = int(tf.nest.flatten(x)[0].shape[0])
-    specs = tf.nest.map_structure(
-        lambda t: tf.TensorSpec(t.shape if static_batch else [None] + t.shape[1:], t.dtype),
-        (x, y))
-    wrapped = model.__dict__.get("train_step")
-    settings = {"recompute_cells": getattr(wrapped, "recompute_cells", True),
-                "release_gradients_early": getattr(wrapped, "release_gradients_early", False)}
-    if version == keras_lib.KERAS3 and not model.optimizer.built:
-        # As fit does before it traces: Keras 3 creates no variable inside a traced step.
-        model.optimizer.build(model.trainable_variables)
-
-    def measure(planned):
-        # The whole training step, updates included, as wrap_model's fit runs it; "error"
-        # hands an infeasible budget to the search, which re-aims it.
-        def step(x, y):
-            return keras_lib.train_step(model, (x, y), checkpoints=planned, fallback="error",
-                                        batch_size=examples, **settings)
-        concrete = tf.function(step, autograph=False).get_concrete_function(*specs)
-        state = _training_state(model)  # after the trace: tf_keras makes its slots there
-        saved = [tf.identity(tf.convert_to_tensor(v)) for v in state]
-        try:
-            return measure_lib.step_peak_bytes(lambda: concrete(x, y), runs)
-        finally:
-            for variable, value in zip(state, saved):
-                variable.assign(value)
-
-    return measure, examples
 
 
 def _function_step(step, runs: int):

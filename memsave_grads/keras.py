@@ -25,7 +25,6 @@ from absl import logging
 
 from memsave_grads import _validate
 from memsave_grads import api
-from memsave_grads import calibration
 from memsave_grads import errors
 from memsave_grads import measure
 from memsave_grads import optimize
@@ -34,6 +33,7 @@ from memsave_grads._tf import early_release
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import ordering
 from memsave_grads.core import budgets
+from memsave_grads.core import calibration as core_calibration
 
 KERAS2 = "Keras 2 (tf_keras)"
 KERAS3 = "Keras 3"
@@ -751,8 +751,8 @@ def _calibrate_for_batch(model, step: _WrappedTrainStep, batch, static: bool,
                  asked.describe(), examples, "its size in the trace" if static else
                  "an unknown batch dimension in the trace, as fit traces it")
     try:
-        calibrated = calibration.calibrate_budget(model, asked, batch_size=examples,
-                                                  data=batch, static_batch=static)
+        calibrated = calibrate_model(model, asked, batch_size=examples, data=batch,
+                                     static_batch=static)
     except errors.InfeasibleBudgetError as infeasible:
         if step.fallback == "error":
             raise
@@ -769,6 +769,81 @@ def _calibrate_for_batch(model, step: _WrappedTrainStep, batch, static: bool,
         _calibration_failed(model, step, asked, f"calibration failed: {failure}")
         calibrated = dataclasses.replace(asked, calibrate=False)
     step.calibrated[key] = calibrated
+
+
+def calibrate_model(model, asked: budgets.Budget, *, batch_size: int,
+                    sequence_length: int | None = None, data=None, static_batch: bool = False,
+                    runs: int = measure.DEFAULT_RUNS,
+                    max_measurements: int = core_calibration.DEFAULT_MAX_MEASUREMENTS
+                    ) -> budgets.Budget:
+    """``asked`` calibrated on this Keras model's whole training step (design note
+    "calibrated budgets"): what :func:`memsave_grads.calibrate_budget` does for a Keras model
+    (arguments checked there), and what the wrapped ``fit``/``train_on_batch`` call."""
+    measure_step, examples = _calibration_measure(model, batch_size, sequence_length, data,
+                                                  runs, static_batch)
+    step = ("Keras step traced with its batch size, as train_on_batch traces it"
+            if static_batch else "Keras step traced with an unknown batch dimension, as "
+            f"fit traces it, planned for {examples} examples")
+    measure.check_allocator_stats()
+    calibrated = core_calibration.calibrate(asked, measure_step,
+                                            max_measurements=max_measurements, step=step,
+                                            batch_size=examples)
+    logging.info("memsave_grads: calibrated %s", calibrated.calibration)
+    return calibrated
+
+
+def _training_state(model) -> list:
+    """Every variable one training step may change: weights, batch-norm statistics, dropout
+    seeds, the optimizer's slots and iterations, the metrics' totals."""
+    optimizer_variables = getattr(model.optimizer, "variables", [])
+    if callable(optimizer_variables):  # tf_keras legacy optimizers: a method
+        optimizer_variables = optimizer_variables()
+    found, seen = [], set()
+    for v in [*model.variables, *optimizer_variables,
+              *(v for metric in model.metrics for v in metric.variables)]:
+        if id(v) not in seen:
+            seen.add(id(v))
+            found.append(v)
+    return found
+
+
+def _calibration_measure(model, batch_size, sequence_length, data, runs: int,
+                         static_batch: bool):
+    """``(measure, examples)``: ``measure(planned)`` runs the model's whole training step
+    under ``planned`` (None: plain ``tf.gradients``) and returns its measured peak, every
+    variable it changed restored."""
+    version = keras_version(model)
+    _check_model(model, version, "calibrate_budget")
+    if data is None:
+        data = synthetic_batch(model, batch_size, sequence_length)
+    x, y = tf.nest.map_structure(tf.convert_to_tensor, tuple(data))
+    examples = int(tf.nest.flatten(x)[0].shape[0])
+    specs = tf.nest.map_structure(
+        lambda t: tf.TensorSpec(t.shape if static_batch else [None] + t.shape[1:], t.dtype),
+        (x, y))
+    wrapped = model.__dict__.get("train_step")
+    settings = {"recompute_cells": getattr(wrapped, "recompute_cells", True),
+                "release_gradients_early": getattr(wrapped, "release_gradients_early", False)}
+    if version == KERAS3 and not model.optimizer.built:
+        # As fit does before it traces: Keras 3 creates no variable inside a traced step.
+        model.optimizer.build(model.trainable_variables)
+
+    def measure_planned(planned):
+        # The whole training step, updates included, as wrap_model's fit runs it; "error"
+        # hands an infeasible budget to the search, which re-aims it.
+        def step(x, y):
+            return train_step(model, (x, y), checkpoints=planned, fallback="error",
+                              batch_size=examples, **settings)
+        concrete = tf.function(step, autograph=False).get_concrete_function(*specs)
+        state = _training_state(model)  # after the trace: tf_keras makes its slots there
+        saved = [tf.identity(tf.convert_to_tensor(v)) for v in state]
+        try:
+            return measure.step_peak_bytes(lambda: concrete(x, y), runs)
+        finally:
+            for variable, value in zip(state, saved):
+                variable.assign(value)
+
+    return measure_planned, examples
 
 
 def _smallest_measured_budget(asked: budgets.Budget, infeasible) -> budgets.Budget | None:

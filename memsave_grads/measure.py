@@ -65,7 +65,12 @@ def check_allocator_stats(device: str | None = None) -> None:
     del probe
 
 
-def step_peak_bytes(run: Callable[[], object], runs: int = 2) -> int:
+#: Measured runs of each step after its warm-up run; the largest peak counts (the executor's
+#: order moves a step's peak by up to 10%, and a budget is a bound).
+DEFAULT_RUNS = 2
+
+
+def step_peak_bytes(run: Callable[[], object], runs: int = DEFAULT_RUNS) -> int:
     """The largest peak of ``runs`` calls of ``run`` (see :func:`peak_bytes_of`), after one
     warm-up call: one-time allocations (kernel caches, constants) are not the step's, and the
     executor's order moves a step's peak by up to 10%."""

@@ -11,8 +11,8 @@ import tensorflow as tf
 import memsave_grads as mg
 from keras_support import FLAVOURS, KERAS, bn_dropout_mlp, clear_session, fit_step_peaks_mib
 from keras_support import fresh_keras  # noqa: F401  (fixture)
-from memsave_grads import calibration
 from memsave_grads import keras as keras_lib
+from tf_builders import residual_mlp_step
 
 MIB = 2**20
 
@@ -74,17 +74,7 @@ def test_a_calibration_s_result_plans_anywhere():
     width, depth = 64, 8
     weights = [tf.Variable(tf.random.stateless_normal([width, width], seed=[i, 1], stddev=0.2))
                for i in range(depth)]
-    x = tf.random.stateless_normal([512, width], seed=[0, 0])
-
-    def step(checkpoints):
-        h = x
-        for w in weights:
-            h = h + tf.tanh(h @ w)
-        loss = tf.reduce_sum(h * h)
-        if checkpoints is None:
-            return tf.gradients(loss, weights)
-        return mg.gradients(loss, weights, checkpoints=checkpoints)
-
+    step = residual_mlp_step(tf.random.stateless_normal([512, width], seed=[0, 0]), weights)
     calibrated = mg.calibrate_budget(step, "budget:75%:calibrated", runs=1)
     assert not calibrated.calibrate and calibrated.calibration.asked.calibrate
 
@@ -127,16 +117,16 @@ def test_wrap_model_refuses_it_under_a_distribution_strategy():
 
 @pytest.fixture
 def calibrations(monkeypatch):
-    """Every calibrate_budget call wrap_model makes: (batch size, static_batch, data given)."""
+    """Every calibration wrap_model makes: (batch size, static_batch, data given)."""
     seen = []
-    real = calibration.calibrate_budget
+    real = keras_lib.calibrate_model
 
     def recording(model, budget, **kwargs):
         seen.append((kwargs["batch_size"], kwargs["static_batch"], kwargs["data"] is not None))
         return real(model, budget, runs=1, max_measurements=3,
                     **{k: v for k, v in kwargs.items() if k != "runs"})
 
-    monkeypatch.setattr(calibration, "calibrate_budget", recording)
+    monkeypatch.setattr(keras_lib, "calibrate_model", recording)
     return seen
 
 
@@ -285,3 +275,47 @@ def test_fit_holds_a_calibrated_budget_where_the_prediction_misses(flavour):
     assert plain >= 35, budget.calibration
     # +5% is the budget's slack; 10% more for the executor's order on a busy machine.
     assert max(peaks) <= 1.15 * target, (peaks, str(budget.calibration))
+
+
+def _mlp_without_dropout(keras, jit_compile=False):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((32,))
+    h = inputs
+    for _ in range(6):
+        h = keras.layers.Dense(32, activation="tanh")(h)
+        h = keras.layers.BatchNormalization()(h)
+    model = keras.Model(inputs, keras.layers.Dense(10)(h))
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse",
+                  jit_compile=jit_compile)
+    return model
+
+
+@FLAVOURS
+def test_calibrating_trains_nothing_and_the_step_matches_stock(flavour):
+    """The calibration runs the step several times and restores every variable (weights,
+    batch-norm statistics, momentum, iterations): after two wrapped steps the weights equal
+    two stock steps' (float32, rtol 1e-5)."""
+    keras = KERAS[flavour]
+    x, y = _data(64, width=32)
+    stock = _mlp_without_dropout(keras)
+    for _ in range(2):
+        stock.train_on_batch(x, y)
+    clear_session(keras)
+    ours = mg.wrap_model(_mlp_without_dropout(keras), "budget:60%:calibrated")
+    for _ in range(2):
+        ours.train_on_batch(x, y)
+    assert ours.train_step.calibrated  # it did calibrate
+    for a, b in zip(ours.variables, stock.variables):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6,
+                                   err_msg=a.name)
+
+
+def test_a_step_compiled_by_xla_trains_with_one_warning(caplog):
+    keras = KERAS["keras3"]
+    model = mg.wrap_model(_mlp_without_dropout(keras, jit_compile=True), "budget:60%:calibrated")
+    x, y = _data(64, width=32)
+    with caplog.at_level(logging.WARNING):
+        history = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    warned = [r for r in caplog.records if "compiled by XLA" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]

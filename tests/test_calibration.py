@@ -8,7 +8,8 @@ import tensorflow as tf
 import memsave_grads as mg
 from children import ALLOCATOR_PREAMBLE, run_json
 from keras_support import FLAVOURS, KERAS, bn_dropout_mlp, fresh_keras  # noqa: F401  (fixture)
-from memsave_grads import calibration
+from tf_builders import residual_mlp_step
+from memsave_grads import keras as keras_lib
 from memsave_grads import measure
 
 MIB = 2**20
@@ -42,7 +43,8 @@ def test_a_keras_model_s_calibrated_budget_measures_within_what_was_asked(flavou
         np.testing.assert_array_equal(old, new)
     # The same plan measured again, in a fresh trace, stays near what calibration saw (the
     # executor's order moves a peak by up to ~10%).
-    again, _ = calibration._keras_step(model, 32, None, (x, y), runs=2, static_batch=False)
+    again, _ = keras_lib._calibration_measure(model, 32, None, (x, y), runs=2,
+                                              static_batch=False)
     again = again(budget)
     assert again <= 1.15 * record.target_bytes, (again / MIB, record)
     # And it trains under fit, planned for the batch size the calibration recorded.
@@ -59,16 +61,7 @@ def test_a_step_function_is_calibrated_with_tf_gradients_as_its_plain_step():
                for _ in range(depth)]
     x = tf.constant(rng.standard_normal((2048, width)).astype("float32"))
     seen = []
-
-    def step(checkpoints):
-        seen.append(checkpoints)
-        h = x
-        for w in weights:
-            h = h + tf.tanh(h @ w)
-        loss = tf.reduce_sum(h * h)
-        if checkpoints is None:
-            return tf.gradients(loss, weights)
-        return mg.gradients(loss, weights, checkpoints=checkpoints)
+    step = residual_mlp_step(x, weights, seen)
 
     # 50%: well above the smallest plan (~25%), so that a peak moved by a busy machine's
     # executor order (up to ~10%) still leaves plans to hold (0.4 failed once in CI).

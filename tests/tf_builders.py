@@ -24,3 +24,22 @@ def residual_tanh_mlp(h, weights):
     for w in weights:
         h = h + tf.tanh(tf.matmul(h, w))
     return h
+
+
+def residual_mlp_step(x, weights, seen: list | None = None):
+    """A ``step(checkpoints)`` for ``calibrate_budget``: the gradients of ``sum(h * h)`` over a
+    residual tanh MLP (:func:`residual_tanh_mlp`) with respect to ``weights``; plain
+    ``tf.gradients`` for ``None``. Each ``checkpoints`` it is called with is appended to
+    ``seen``."""
+    import memsave_grads as mg  # pylint: disable=import-outside-toplevel
+
+    def step(checkpoints):
+        if seen is not None:
+            seen.append(checkpoints)
+        h = residual_tanh_mlp(x, weights)
+        loss = tf.reduce_sum(h * h)
+        if checkpoints is None:
+            return tf.gradients(loss, weights)
+        return mg.gradients(loss, weights, checkpoints=checkpoints)
+
+    return step

@@ -49,7 +49,8 @@ _MIN_STEP = 0.03
 
 
 def calibrate(asked: budgets.Budget, measure: MeasureStep, *,
-              max_measurements: int = DEFAULT_MAX_MEASUREMENTS) -> budgets.Budget:
+              max_measurements: int = DEFAULT_MAX_MEASUREMENTS, step: str = "",
+              batch_size: int | None = None) -> budgets.Budget:
     """``asked`` re-aimed so that the plan it gives *measures* within it.
 
     Args:
@@ -58,6 +59,8 @@ def calibrate(asked: budgets.Budget, measure: MeasureStep, *,
       measure: builds and runs one step (see :data:`MeasureStep`). Called once with ``None``
         first, then with budgets of planned fractions.
       max_measurements: the most plans measured.
+      step, batch_size: what ``measure`` runs, for the record (``Calibration.step``,
+        ``Calibration.batch_size``).
 
     Returns:
       A :class:`~memsave_grads.core.budgets.Budget` with the planned fraction (of the
@@ -113,7 +116,8 @@ def calibrate(asked: budgets.Budget, measure: MeasureStep, *,
         if aim is None or any(abs(aim - t.planned_fraction) <= _SAME_AIM * aim for t in tries):
             break
     record = budgets.Calibration(asked=asked, target_bytes=target_bytes,
-                                 plain_measured_bytes=plain_bytes, tries=tuple(tries))
+                                 plain_measured_bytes=plain_bytes, tries=tuple(tries),
+                                 step=step, batch_size=batch_size)
     if record.held is None:
         raise _infeasible(record)
     # calibrate=False: this budget is the calibration's result; wrap_model does not measure
