@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from memsave_grads import errors
 
@@ -105,6 +105,26 @@ def median_seconds(step: Callable[[], object], repeats: int = 5, warmup: int = 1
         times.append(time.perf_counter() - start)
     times.sort()
     return times[len(times) // 2]
+
+
+def interleaved_median_seconds(steps: Sequence[Callable[[], object]], repeats: int = 5,
+                               warmup: int = 1) -> list[float]:
+    """The median wall time of each of ``steps``, timed in turns: every round runs each step
+    once, so a machine that slows down or speeds up during the measurement (other processes,
+    frequency scaling) weighs on every step alike, and their ratios stay put. Timed one after
+    the other instead, two runs of the same step on a 2-core machine differed by up to 15%."""
+    for step in steps:
+        for _ in range(warmup):
+            step()
+    times: list[list[float]] = [[] for _ in steps]
+    for round_ in range(repeats):
+        # Rotate who goes first: a step that follows a large one may find caches cold.
+        for k in range(len(steps)):
+            i = (round_ + k) % len(steps)
+            start = time.perf_counter()
+            steps[i]()
+            times[i].append(time.perf_counter() - start)
+    return [sorted(t)[len(t) // 2] for t in times]
 
 
 MIB = 1024 * 1024

@@ -22,7 +22,6 @@ from memsave_grads import errors
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
-from memsave_grads.core import planners
 from memsave_grads.core import policies
 from memsave_grads.core import solvers
 from memsave_grads.core.solvers import problem as problem_lib
@@ -162,10 +161,11 @@ def select_speed(ctx: SelectionContext) -> set[tf.Operation]:
 
 
 def select_memory(ctx: SelectionContext) -> plan_lib.Plan:
-    """Cuts where the live frontier is small, placed to minimise the predicted peak
-    (planners.frontier_cuts); works through skip connections of any DAG."""
+    """Cuts where the live frontier is small, placed to minimise the predicted peak, then the
+    plan that recomputes least at that peak (solvers.memory_plan); works through skip
+    connections of any DAG."""
     candidates, must_keep, not_replayed = ctx.node_sets()
-    plan = planners.frontier_cuts(ctx.model, must_keep, candidates, not_replayed)
+    plan = solvers.memory_plan(ctx.model, must_keep, candidates, not_replayed)
     if plan is None:
         raise _no_checkpoints(
             "memory", f"no cut of the {len(ctx.region)} forward ops between xs and ys "

@@ -10,7 +10,8 @@ an SGD update of all trainable variables to the *same* graph, then measures in o
   largest over the variables;
 * the peak memory of one training step (:func:`memsave_grads.measure.peak_bytes_of`), in bytes
   above what was in use before the step (variables and inputs are resident, so not counted);
-* the median wall time of a training step (:func:`memsave_grads.measure.median_seconds`).
+* the median wall time of a training step, the methods timed in turns
+  (:func:`memsave_grads.measure.interleaved_median_seconds`).
 
 The models feed nothing: their inputs live in variables (:mod:`memsave_grads.bench.graphs`).
 
@@ -22,6 +23,7 @@ here prints: progress goes to absl logging, tables are returned as strings.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Sequence
@@ -175,8 +177,8 @@ def measure_model(spec: ModelSpec, methods: Sequence[Method] = DEFAULT_METHODS,
 
     All steps live in one graph and one session (see the module docstring). The gradient
     errors are read first, in one run, before any update; then each step is run once to warm
-    up, ``repeats`` times for the median time, and :data:`PEAK_RUNS` more times for the median
-    peak memory.
+    up and ``repeats`` times in turns with the others for the median time, and :data:`PEAK_RUNS`
+    more times for the median peak memory.
 
     The first method is the reference for gradient errors (normally ``tf.gradients``). A method
     whose strategy raises one of :data:`_NOT_APPLICABLE` (for instance an infeasible budget, or
@@ -220,11 +222,12 @@ def measure_model(spec: ModelSpec, methods: Sequence[Method] = DEFAULT_METHODS,
                 results[i].max_rel_error = float(value)
         if 0 in grads_of:
             results[0].max_rel_error = 0.0
-        for i, step in steps.items():
-            def run_step(step=step):
-                session.run(step)
-            results[i].median_seconds = measure.median_seconds(run_step, repeats=repeats,
-                                                              warmup=1)
+        runners = {i: functools.partial(session.run, step) for i, step in steps.items()}
+        # In turns, so that the time ratios do not move with the machine's load.
+        for i, seconds in zip(runners, measure.interleaved_median_seconds(
+                list(runners.values()), repeats=repeats, warmup=1)):
+            results[i].median_seconds = seconds
+        for i, run_step in runners.items():
             # The executor's order varies from run to run, and so does the peak (by up to
             # 10% on these networks): report the median of a few runs' peaks.
             peaks = sorted(measure.peak_bytes_of(run_step)[0] for _ in range(PEAK_RUNS))

@@ -32,22 +32,24 @@ so for them the smallest feasible budget is the ``"memory"`` plan's peak; ``"rev
 
 from __future__ import annotations
 
-from typing import Callable
+import time
+from typing import Callable, Iterable
 
 from absl import logging
 
 from memsave_grads import errors
 from memsave_grads.core import budgets
+from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import planners
 from memsave_grads.core.solvers import problem as problem_lib
 from memsave_grads.core.solvers.dp import solve_dp
-from memsave_grads.core.solvers.greedy import solve_greedy
+from memsave_grads.core.solvers.greedy import cheapest_within, solve_greedy
 from memsave_grads.core.solvers.milp import milp_lower_bound, solve_milp
 from memsave_grads.core.solvers.revolve import solve_revolve
 
-__all__ = ["SOLVERS", "solve", "tradeoff", "solve_greedy", "solve_dp", "solve_milp",
+__all__ = ["SOLVERS", "solve", "memory_plan", "tradeoff", "solve_greedy", "solve_dp", "solve_milp",
            "solve_revolve", "milp_lower_bound"]
 
 SOLVERS: dict[str, Callable[[problem_lib.BudgetProblem], plan_lib.Plan]] = {
@@ -85,6 +87,36 @@ def solve(problem: problem_lib.BudgetProblem,
                  solver, problem.budget_bytes, plan.predicted_peak_bytes, plan.recompute_cost,
                  plan.solve_seconds)
     return plan
+
+
+def memory_plan(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
+                candidates: Iterable[int], not_replayed: Iterable[int] = ()) -> plan_lib.Plan | None:
+    """The ``"memory"`` strategy: the lowest predicted peak, for the least recomputation found.
+
+    First :func:`planners.frontier_cuts` finds the lowest peak; then, with that peak as the
+    budget, :func:`greedy.cheapest_within` looks for a plan that recomputes less (fewer FLOPs)
+    without peaking higher (design note "frontier cuts"). ``None`` where no position can be
+    cut; a plan that predicts no saving is returned as ``frontier_cuts`` made it.
+    """
+    started = time.perf_counter()
+    lowest = planners.frontier_cuts(graph, must_keep, candidates, not_replayed)
+    if lowest is None or lowest.predicted_peak_bytes >= memory_model.plain_peak_bytes(graph):
+        return lowest
+    problem = problem_lib.BudgetProblem(
+        graph=graph, budget_bytes=lowest.predicted_peak_bytes, must_keep=frozenset(must_keep),
+        candidates=frozenset(candidates), not_replayed=frozenset(not_replayed))
+    kept, peak, cost = cheapest_within(problem, lowest.kept)
+    _, _, lowest_cost = problem_lib.score(problem, lowest.kept)
+    if cost >= lowest_cost:
+        return lowest.replace(recompute_cost=lowest_cost,
+                              solve_seconds=time.perf_counter() - started)
+    logging.vlog(1, "memsave_grads: memory: the same peak (%d bytes) for %.3g of the cut "
+                 "plan's recomputation", peak, cost / lowest_cost)
+    return lowest.replace(
+        kept=kept, predicted_peak_bytes=peak, recompute_cost=cost, cuts=(),
+        solve_seconds=time.perf_counter() - started,
+        reason=f"{lowest.reason}; then, at that peak or lower, the plan that recomputes least "
+               f"({cost / lowest_cost:.0%} of the cut plan's FLOPs)")
 
 
 def tradeoff(problem: problem_lib.BudgetProblem, points: int = 12,

@@ -36,6 +36,10 @@ GREEDY_DP_RETRIES = 6
 #: One seed recomputes whole segments; each other keeps the nodes of a segment whose cost per
 #: byte is at least this quantile (over the candidates), and recomputes the rest.
 GREEDY_DP_QUANTILES = (0.75, 0.9, 0.5)
+#: :func:`cheapest_within` scores at most this many plans. On the benchmark networks and Keras 3
+#: ResNet50/EfficientNetB0 the cheapest plan came by the 65th (MobileNetV2: 0.201 of the forward
+#: FLOPs by the 62nd, 0.178 by the 156th); each costs a replay (3-12 ms on 2 CPU cores).
+REFINE_MAX_PLANS = 64
 
 
 def _last_true(lo: int, hi: int, predicate: Callable[[int], bool]) -> int | None:
@@ -104,16 +108,36 @@ def solve_greedy(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
     if nothing[1] <= problem.budget_bytes and nothing[2] == 0:
         return scorer.plan("greedy", started, optimal=True)
     try:
-        _greedy_search(problem, scorer, started)
+        _greedy_search(problem, scorer, dp_deadline=started + GREEDY_DP_SECONDS)
     except problem_lib.OutOfTime:
         logging.vlog(1, "memsave_grads: greedy: out of time, best plan so far")
     return scorer.plan("greedy", started)
 
 
+def cheapest_within(problem: problem_lib.BudgetProblem,
+                    kept: frozenset) -> tuple[frozenset, int, float]:
+    """The plan that recomputes least, among ``kept`` (which must fit ``problem``'s budget) and
+    those the greedy solver's phases without DP seeds find, as ``(kept, peak, cost)``.
+
+    The ``"memory"`` strategy's second step (design note "frontier cuts"): with the budget at
+    the lowest peak found, the same peak for less recomputation. Bounded by work, not time
+    (at most :data:`REFINE_MAX_PLANS` plans scored), and the DP seeds, which are
+    bounded by time, are left out: one graph always gets one plan.
+    """
+    scorer = problem_lib.Scorer(problem, max_plans=REFINE_MAX_PLANS)
+    start = scorer(kept)
+    try:
+        _greedy_search(problem, scorer, dp_deadline=None)
+    except problem_lib.OutOfTime:
+        logging.vlog(1, "memsave_grads: refining the plan: %d plans scored, best so far",
+                     len(scorer.cache))
+    return scorer.best or start
+
+
 def _greedy_search(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer,
-                   started: float) -> None:
+                   dp_deadline: float | None) -> None:
     """The greedy solver's phases, best plans first; ``scorer`` keeps the best that fits and
-    ends the search at its deadline."""
+    ends the search at its deadline. No DP seeds without ``dp_deadline``."""
     search = planners.CutSearch(problem.graph, problem.must_keep, problem.candidates)
     if search.feasible:
         seen = set()
@@ -132,8 +156,8 @@ def _greedy_search(problem: problem_lib.BudgetProblem, scorer: problem_lib.Score
     bases += sorted(fitting, key=lambda r: (r[1], r[2]))[:GREEDY_FILL_PLANS]
     for kept in dict.fromkeys(r[0] for r in bases):
         _fill(problem, scorer, kept, skip=False)
-    if search.feasible:
-        _dp_seeds(problem, scorer, search, started + GREEDY_DP_SECONDS)
+    if search.feasible and dp_deadline is not None:
+        _dp_seeds(problem, scorer, search, dp_deadline)
     # With the time left, fill the best plans again, now skipping nodes that do not fit.
     fitting = [r for r in scorer.cache.values() if r[1] <= problem.budget_bytes]
     for result in sorted(fitting, key=lambda r: (r[2], r[1]))[:GREEDY_FILL_PLANS]:

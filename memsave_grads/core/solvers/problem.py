@@ -105,7 +105,8 @@ def _share(nbytes: int, plain_bytes: int) -> str:
 
 
 class OutOfTime(Exception):
-    """A scorer's deadline passed (and it has a plan that fits)."""
+    """A scorer's deadline passed, or it scored as many plans as it may (and it has a plan
+    that fits)."""
 
 
 class Scorer:
@@ -113,11 +114,15 @@ class Scorer:
 
     With a ``deadline`` (``time.perf_counter()``), scoring a new plan after it raises
     :class:`OutOfTime`, but only once some plan fits: the search stops, the best plan stands.
+    ``max_plans`` bounds the plans scored the same way, but by work instead of by the clock,
+    so that a graph always gets the same plan, however busy the machine.
     """
 
-    def __init__(self, problem: BudgetProblem, deadline: float = math.inf):
+    def __init__(self, problem: BudgetProblem, deadline: float = math.inf,
+                 max_plans: int | float = math.inf):
         self.problem = problem
         self.deadline = deadline
+        self.max_plans = max_plans
         self.cache: dict[frozenset, tuple[frozenset, int, float]] = {}
         self.smallest_peak = math.inf
         self.best: tuple[frozenset, int, float] | None = None
@@ -125,7 +130,8 @@ class Scorer:
     def __call__(self, kept) -> tuple[frozenset, int, float]:
         key = frozenset(kept)
         if key not in self.cache:
-            if self.best is not None and time.perf_counter() > self.deadline:
+            if self.best is not None and (time.perf_counter() > self.deadline
+                                          or len(self.cache) >= self.max_plans):
                 raise OutOfTime()
             result = score(self.problem, key)
             self.cache[key] = result

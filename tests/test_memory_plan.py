@@ -1,0 +1,79 @@
+"""The "memory" strategy's two steps (design note "frontier cuts", step 6): the lowest peak of
+the frontier cuts, then the plan that recomputes least at that peak."""
+
+from hypothesis import given, settings
+
+import numpy as np
+import tensorflow as tf
+
+import memsave_grads as mg
+from memsave_grads.core import memory_model
+from memsave_grads.core import planners
+from memsave_grads.core import solvers
+from memsave_grads.core.solvers import problem as problem_lib
+from strategies import dags, matmul_tanh_problem
+
+
+def _score(graph, kept):
+    return problem_lib.score(problem_lib.BudgetProblem(graph, 0), kept)
+
+
+@settings(max_examples=150, deadline=None)
+@given(dags())
+def test_never_a_higher_peak_nor_more_recomputation_than_the_cuts(g):
+    cut = planners.frontier_cuts(g, must_keep=[], candidates=range(g.num_nodes))
+    plan = solvers.memory_plan(g, must_keep=[], candidates=range(g.num_nodes))
+    if cut is None:
+        assert plan is None
+        return
+    _, cut_peak, cut_cost = _score(g, cut.kept)
+    kept, peak, cost = _score(g, plan.kept)
+    assert kept == plan.kept                       # closed for single ownership
+    assert peak == plan.predicted_peak_bytes <= cut_peak
+    assert cost == plan.recompute_cost <= cut_cost
+    assert plan.planner == "memory"
+
+
+def test_recomputes_less_at_the_same_peak_on_matmul_chains():
+    """matmul -> tanh pairs whose gradients read as TensorFlow's do: the cut plan recomputes
+    every segment but the top one; keeping matmul outputs where the peak allows costs no peak."""
+    problem = matmul_tanh_problem(60, gradient_reads=True)
+    g, candidates = problem.graph, problem.candidates
+    cut = planners.frontier_cuts(g, [], candidates)
+    plan = solvers.memory_plan(g, [], candidates)
+    _, cut_peak, cut_cost = _score(g, cut.kept)
+    assert plan.predicted_peak_bytes <= cut_peak < memory_model.plain_peak_bytes(g)
+    assert plan.recompute_cost < cut_cost
+    assert "recomputes least" in plan.reason
+
+
+def test_the_same_graph_always_gets_the_same_plan(monkeypatch):
+    """Bounded by plans scored, not by seconds: a slow machine plans as a fast one."""
+    problem = matmul_tanh_problem(80, gradient_reads=True)
+    first = solvers.memory_plan(problem.graph, [], problem.candidates)
+    clock = iter(range(0, 10**9, 1000))   # every reading of the clock 1000 s later
+    monkeypatch.setattr(problem_lib.time, "perf_counter", lambda: float(next(clock)))
+    assert solvers.memory_plan(problem.graph, [], problem.candidates).kept == first.kept
+
+
+def test_gradients_equal_tf_gradients_on_a_conv_stack():
+    """The refined plan keeps tensors inside segments: the gradients stay tf.gradients'."""
+    with tf.Graph().as_default():
+        rng = np.random.default_rng(0)
+        x = tf.constant(rng.standard_normal((4, 16, 16, 8)), tf.float32)
+        h, variables = x, []
+        for i in range(8):
+            w = tf.Variable(rng.standard_normal((3, 3, 8, 8)) * 0.2, dtype=tf.float32,
+                            name=f"w{i}")
+            variables.append(w)
+            h = h + tf.nn.relu(tf.nn.conv2d(tf.tanh(h), w, 1, "SAME"))
+        loss = tf.reduce_sum(h * h)
+        report = mg.explain(loss, variables, checkpoints="memory")
+        ours = mg.gradients(loss, variables, checkpoints="memory")
+        theirs = tf.gradients(loss, variables)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            ours, theirs = session.run([ours, theirs])
+    assert report.predicted_peak_bytes < report.predicted_plain_peak_bytes
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
