@@ -149,12 +149,11 @@ def _lstm_step_peak_mib(wrapped, steps):
         wrap_model(model)
     x, y = _data(steps, batch=16, features=32)
     model.train_on_batch(x, y)
-    # The lower of two steps: a step's peak only rises when other work on the machine changes
-    # the executor's interleaving (11.3 MiB wrapped, once, with a second TF process on both
-    # cores; 7.4-7.6 alone).
-    (peak, loss), (second_peak, _) = (
-        measure.peak_bytes_of(lambda: model.train_on_batch(x, y)) for _ in range(2))
-    return min(peak, second_peak) / MIB, loss
+    # The lowest of three steps: a step's peak only rises when other work on the machine
+    # changes the executor's interleaving (11.3 MiB wrapped, once, with a second TF process on
+    # both cores, and 11.4 once on CI with the lower of two steps; 7.3-7.6 alone).
+    runs = [measure.peak_bytes_of(lambda: model.train_on_batch(x, y)) for _ in range(3)]
+    return min(peak for peak, _ in runs) / MIB, runs[0][1]
 
 
 @pytest.mark.never_worse
