@@ -105,8 +105,7 @@ def memory_plan(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     problem = problem_lib.BudgetProblem(
         graph=graph, budget_bytes=lowest.predicted_peak_bytes, must_keep=frozenset(must_keep),
         candidates=frozenset(candidates), not_replayed=frozenset(not_replayed))
-    kept, peak, cost = cheapest_within(problem, lowest.kept)
-    _, _, lowest_cost = problem_lib.score(problem, lowest.kept)
+    (kept, peak, cost), (_, _, lowest_cost) = cheapest_within(problem, lowest.kept)
     if cost >= lowest_cost:
         return lowest.replace(recompute_cost=lowest_cost,
                               solve_seconds=time.perf_counter() - started)

@@ -114,10 +114,11 @@ def solve_greedy(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
     return scorer.plan("greedy", started)
 
 
-def cheapest_within(problem: problem_lib.BudgetProblem,
-                    kept: frozenset) -> tuple[frozenset, int, float]:
+def cheapest_within(problem: problem_lib.BudgetProblem, kept: frozenset
+                    ) -> tuple[tuple[frozenset, int, float], tuple[frozenset, int, float]]:
     """The plan that recomputes least, among ``kept`` (which must fit ``problem``'s budget) and
-    those the greedy solver's phases without DP seeds find, as ``(kept, peak, cost)``.
+    those the greedy solver's phases without DP seeds find, and ``kept``'s own score: each as
+    ``(kept, peak, cost)``.
 
     The ``"memory"`` strategy's second step (design note "frontier cuts"): with the budget at
     the lowest peak found, the same peak for less recomputation. Bounded by work, not time
@@ -131,7 +132,7 @@ def cheapest_within(problem: problem_lib.BudgetProblem,
     except problem_lib.OutOfTime:
         logging.vlog(1, "memsave_grads: refining the plan: %d plans scored, best so far",
                      len(scorer.cache))
-    return scorer.best or start
+    return scorer.best or start, start
 
 
 def _greedy_search(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer,
