@@ -22,12 +22,10 @@ from memsave_grads import measure as measure_lib
 from memsave_grads.core import budgets
 from memsave_grads.core import calibration as core_calibration
 
-DEFAULT_RUNS = measure_lib.DEFAULT_RUNS
-
 
 def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size: int = 32,
                      sequence_length: int | None = None, data=None, static_batch: bool = False,
-                     runs: int = DEFAULT_RUNS,
+                     runs: int = measure_lib.DEFAULT_RUNS,
                      max_measurements: int = core_calibration.DEFAULT_MAX_MEASUREMENTS
                      ) -> budgets.Budget:
     """``budget`` re-aimed so that the plan it gives measures within it on this machine.

@@ -96,15 +96,8 @@ def reserve_cpu_heap(size_bytes: int = 4 << 30) -> None:
 
 
 def median_seconds(step: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+    """The median wall time of ``repeats`` calls of ``step``, after ``warmup`` calls."""
+    return interleaved_median_seconds([step], repeats=repeats, warmup=warmup)[0]
 
 
 def interleaved_median_seconds(steps: Sequence[Callable[[], object]], repeats: int = 5,
