@@ -51,9 +51,12 @@ def main():
             var.assign_sub(args.learning_rate * grad)
         return loss
 
-    for step in range(1, args.steps + 1):
-        loss = train_step(features, targets)
-        print(f"step {step:3d}  loss {float(loss):.5f}")
+    # Called without Grappler's gradient accumulators, as wrap_model's fit is (docs/design.md,
+    # note "Grappler's gradient accumulators").
+    with memsave_grads.without_grappler_scheduling():
+        for step in range(1, args.steps + 1):
+            loss = train_step(features, targets)
+            print(f"step {step:3d}  loss {float(loss):.5f}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ _EXPORTS = {
     "wrap_model": "memsave_grads.keras",
     "unwrap_model": "memsave_grads.keras",
     "is_wrapped": "memsave_grads.keras",
+    "without_grappler_scheduling": "memsave_grads._tf.grappler_options",
     "patch": "memsave_grads.patching",
     "unpatch": "memsave_grads.patching",
     "is_patched": "memsave_grads.patching",
@@ -69,6 +70,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerly
     from memsave_grads._explain import PlanReport, explain
+    from memsave_grads._tf.grappler_options import without_grappler_scheduling
     from memsave_grads.api import (assume_batch_size, gradients, gradients_collection,
                                    gradients_memory, gradients_speed)
     from memsave_grads.calibration import calibrate_budget

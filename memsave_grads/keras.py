@@ -31,6 +31,7 @@ from memsave_grads import optimize
 from memsave_grads import recomputation
 from memsave_grads._tf import early_release
 from memsave_grads._tf import graph as tf_graph
+from memsave_grads._tf import grappler_options
 from memsave_grads._tf import ordering
 from memsave_grads.core import budgets
 from memsave_grads.core import calibration as core_calibration
@@ -580,6 +581,9 @@ class _WrappedTrainStep:
         #: (examples, whether the trace knows the batch size) -> the calibrated budget; None ->
         #: the budget planned on the prediction where the batch could not be read.
         self.calibrated: dict[tuple[int, bool] | None, budgets.Budget] = {}
+        #: What ``calibrated`` was measured with (weak references to the optimizer and the
+        #: compiled loss): compiling again makes new ones, and the calibrations are redone.
+        self.calibrated_with: tuple = ()
         #: The batch the next trace runs, once ``fit``/``train_on_batch`` calibrated for it.
         self.calibration_key: tuple[int, bool] | None = None
         #: The checkpoints the cached training function was planned with, and the
@@ -590,6 +594,18 @@ class _WrappedTrainStep:
     def needs_calibration(self) -> bool:
         budget = budgets.as_budget(self.checkpoints)
         return budget is not None and budget.calibrate and budget.calibration is None
+
+    def forget_calibrations_if_recompiled(self) -> None:
+        """Drop the calibrations where the model was compiled again since they were measured:
+        another optimizer (Adam keeps twice SGD's state) or loss moves the measured peaks."""
+        compiled = _compiled_objects(self._model())
+        if tuple(None if ref is None else ref() for ref in self.calibrated_with) == compiled:
+            return
+        if self.calibrated:
+            logging.info("memsave_grads.keras: %s was compiled again: its budget is "
+                         "calibrated again", getattr(self._model(), "name", "model"))
+        self.calibrated.clear()
+        self.calibrated_with = tuple(None if o is None else weakref.ref(o) for o in compiled)
 
     def planned_checkpoints(self):
         """The checkpoints the next trace plans with: a budget asking for calibration is
@@ -631,6 +647,15 @@ class _WrappedTrainStep:
                 f"batch_size={self.batch_size!r}>")
 
 
+def _compiled_objects(model) -> tuple:
+    """The objects ``compile`` makes anew each time: the optimizer (a string compiles to a
+    new one) and the loss container (Keras 3 ``_compile_loss``, tf_keras ``compiled_loss``)."""
+    loss = getattr(model, "_compile_loss", None)
+    if loss is None:
+        loss = getattr(model, "compiled_loss", None)
+    return (getattr(model, "optimizer", None), loss)
+
+
 #: Wrapped steps already warned that they were traced before calibration.
 _WARNED_UNCALIBRATED: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -639,53 +664,61 @@ class _WrappedFit:
     """What ``model.fit`` becomes on a wrapped model: the class's ``fit``, after reading the
     batch size of the call for the plan (design note "unknown batch size") and calibrating a
     budget that asks for it on the call's first batch (design note "calibrated budgets"). A
-    training function planned for another batch size or budget is traced again."""
+    training function planned for another batch size or budget is traced again. It runs
+    without Grappler's gradient accumulators (design note "Grappler's gradient
+    accumulators")."""
 
     def __init__(self, model):
-        self._model = weakref.ref(model)
+        # A strong reference, as a bound method holds its object: ``fit = model.fit`` keeps
+        # the model alive (the cycle through the model's __dict__ is the collector's).
+        self._model = model
 
     def __call__(self, *args, **kwargs):
-        model = self._model()
+        model = self._model
         step = model.__dict__.get("train_step")
-        if isinstance(step, _WrappedTrainStep):
-            if step.batch_size is None:
-                step.fit_batch_size = _fit_batch_size(type(model).fit, model, args, kwargs)
-            if step.needs_calibration():
-                batch, static = _fit_calibration_batch(type(model).fit, model, args, kwargs,
-                                                       step.batch_size or step.fit_batch_size)
-                _calibrate_for_batch(model, step, batch, static)
-            _retrace_if_replanned(model, step)
-        return type(model).fit(model, *args, **kwargs)
+        with grappler_options.without_grappler_scheduling():
+            if isinstance(step, _WrappedTrainStep):
+                if step.batch_size is None:
+                    step.fit_batch_size = _fit_batch_size(type(model).fit, model, args, kwargs)
+                if step.needs_calibration():
+                    batch, static = _fit_calibration_batch(
+                        type(model).fit, model, args, kwargs,
+                        step.batch_size or step.fit_batch_size)
+                    _calibrate_for_batch(model, step, batch, static)
+                _retrace_if_replanned(model, step)
+            return type(model).fit(model, *args, **kwargs)
 
     def __repr__(self):
         return "<memsave_grads fit: reads the batch size for the plan>"
 
 
 class _WrappedTrainOnBatch:
-    """What ``model.train_on_batch`` becomes on a wrapped model whose budget asks for
-    calibration: the class's ``train_on_batch``, after calibrating on the batch it is given
-    (the first of each size)."""
+    """What ``model.train_on_batch`` becomes on a wrapped model: the class's
+    ``train_on_batch`` without Grappler's gradient accumulators, after calibrating a budget
+    that asks for it on the batch it is given (the first of each size)."""
 
     def __init__(self, model):
-        self._model = weakref.ref(model)
+        self._model = model  # strong, as in _WrappedFit
 
     def __call__(self, *args, **kwargs):
-        model = self._model()
+        model = self._model
         step = model.__dict__.get("train_step")
-        if isinstance(step, _WrappedTrainStep) and step.needs_calibration():
-            try:
-                bound = inspect.signature(type(model).train_on_batch).bind(model, *args, **kwargs)
-            except TypeError:  # train_on_batch itself will say what is wrong with the call
-                bound = None
-            if bound is not None:
-                x, y = bound.arguments.get("x"), bound.arguments.get("y")
-                _calibrate_for_batch(model, step, (x, y) if y is not None else None, True,
-                                     examples=_leading_dimension(x))
-                _retrace_if_replanned(model, step)
-        return type(model).train_on_batch(model, *args, **kwargs)
+        with grappler_options.without_grappler_scheduling():
+            if isinstance(step, _WrappedTrainStep) and step.needs_calibration():
+                try:
+                    bound = inspect.signature(type(model).train_on_batch).bind(
+                        model, *args, **kwargs)
+                except TypeError:  # train_on_batch itself will say what is wrong with the call
+                    bound = None
+                if bound is not None:
+                    x, y = bound.arguments.get("x"), bound.arguments.get("y")
+                    _calibrate_for_batch(model, step, (x, y) if y is not None else None, True,
+                                         examples=_leading_dimension(x))
+                    _retrace_if_replanned(model, step)
+            return type(model).train_on_batch(model, *args, **kwargs)
 
     def __repr__(self):
-        return "<memsave_grads train_on_batch: calibrates the budget on its batch>"
+        return "<memsave_grads train_on_batch: runs without Grappler's gradient accumulators>"
 
 
 def _retrace_if_replanned(model, step: _WrappedTrainStep) -> None:
@@ -719,6 +752,7 @@ def _calibrate_for_batch(model, step: _WrappedTrainStep, batch, static: bool,
     it cannot be, plan on the prediction (``fallback="warn"``: one warning) or raise
     (``"error"``)."""
     asked = budgets.as_budget(step.checkpoints)
+    step.forget_calibrations_if_recompiled()
     if batch is not None:
         examples = _leading_dimension(batch[0])
     elif examples is None:
@@ -838,7 +872,8 @@ def _calibration_measure(model, batch_size, sequence_length, data, runs: int,
         state = _training_state(model)  # after the trace: tf_keras makes its slots there
         saved = [tf.identity(tf.convert_to_tensor(v)) for v in state]
         try:
-            return measure.step_peak_bytes(lambda: concrete(x, y), runs)
+            with grappler_options.without_grappler_scheduling():  # as wrap_model's fit runs
+                return measure.step_peak_bytes(lambda: concrete(x, y), runs)
         finally:
             for variable, value in zip(state, saved):
                 variable.assign(value)
@@ -1036,10 +1071,7 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
                      checkpoints)
     model.train_step = step
     model.fit = _WrappedFit(model)
-    if step.needs_calibration():
-        model.train_on_batch = _WrappedTrainOnBatch(model)
-    else:
-        model.__dict__.pop("train_on_batch", None)
+    model.train_on_batch = _WrappedTrainOnBatch(model)
     model.train_function = None
     logging.info("memsave_grads.keras: wrapped %s (%s), checkpoints=%r", model.name, version,
                  checkpoints)

@@ -319,3 +319,20 @@ def test_a_step_compiled_by_xla_trains_with_one_warning(caplog):
     assert np.isfinite(history.history["loss"]).all()
     warned = [r for r in caplog.records if "compiled by XLA" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+
+
+@FLAVOURS
+def test_compiling_again_calibrates_again(flavour, calibrations):
+    # Adam keeps two slots per weight where SGD with momentum keeps one: a calibration measured
+    # under the first compile says nothing about the second.
+    keras = KERAS[flavour]
+    model = bn_dropout_mlp(keras, depth=2, width=64)
+    mg.wrap_model(model, "budget:60%:calibrated")
+    x, y = _data(32)
+    model.train_on_batch(x, y)
+    model.train_on_batch(x, y)
+    assert calibrations == [(32, True, True)]
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    model.train_on_batch(x, y)
+    assert calibrations == [(32, True, True), (32, True, True)]
+    assert model.train_step.traced_checkpoints == model.train_step.calibrated[(32, True)]

@@ -22,7 +22,8 @@ What a model is (:func:`describe_source`):
   ``tf.gradients``; memsave_grads reaches it through :func:`memsave_grads.patch`).
 
 Methods: ``tf.gradients`` (Keras' own ``train_on_batch``, or the step unpatched), one per
-``--checkpoints`` strategy (Keras: :func:`memsave_grads.wrap_model`; a step: ``patch``), and
+``--checkpoints`` strategy (Keras: :func:`memsave_grads.wrap_model`; a step: ``patch``, its
+calls under :func:`memsave_grads.without_grappler_scheduling` as wrap_model runs ``fit``), and
 for Keras 3 models ``keras.RematScope`` (Keras' own rematerialisation, the model built or
 loaded inside ``RematScope(mode="full")``, trained by Keras' own step).
 """
@@ -226,10 +227,14 @@ def _try_here(request: dict) -> dict:
             if method.endswith(EARLY_RELEASE):
                 return {"fits": False, "error": "early release applies to Keras models only "
                         "(for a step, call memsave_grads.minimize in it)"}
+            run = target
             if method != PLAIN:
                 mg.patch(method)
                 patched = True
-            run = target
+
+                def run():  # as the docs tell a step's user (wrap_model does it for Keras)
+                    with mg.without_grappler_scheduling():
+                        return target()
         run()   # trace and warm up: the measured steps allocate only what they use
         if method not in (PLAIN, KERAS_REMAT) and calls[0] == 0:
             return {"fits": False, "error": (
