@@ -599,7 +599,9 @@ class _WrappedTrainStep:
         """Drop the calibrations where the model was compiled again since they were measured:
         another optimizer (Adam keeps twice SGD's state) or loss moves the measured peaks."""
         compiled = _compiled_objects(self._model())
-        if tuple(None if ref is None else ref() for ref in self.calibrated_with) == compiled:
+        measured_with = tuple(None if ref is None else ref() for ref in self.calibrated_with)
+        if len(measured_with) == len(compiled) and all(
+                a is b for a, b in zip(measured_with, compiled)):
             return
         if self.calibrated:
             logging.info("memsave_grads.keras: %s was compiled again: its budget is "
@@ -612,6 +614,7 @@ class _WrappedTrainStep:
         replaced by its calibration for the batch ``fit``/``train_on_batch`` runs."""
         if not self.needs_calibration():
             return self.checkpoints
+        self.forget_calibrations_if_recompiled()  # traced by a path that calibrated nothing
         if self.calibration_key in self.calibrated:
             return self.calibrated[self.calibration_key]  # None: plain tf.gradients measured least
         # Traced by a path that ran nothing first (evaluate's or a custom loop's call of

@@ -16,7 +16,7 @@ steps. Two facts make that the usual case, not the exception:
   its input three times in Keras 3), so the zero constants are activation-sized.
 
 Measured on Keras 3 ResNet50 (64x64, batch 168, CPU, TF 2.21): the constants hold about 110 MiB
-between steps, the step's peak falls by less than that, and the whole run peaks at 890-981 MiB
+between steps, and a step's total peak (what was resident plus the step's own) is 890-981 MiB
 under ``"memory"`` with the pass against 763-821 MiB without it (``budget:27%``: 669-687
 against 579-592). Plain ``tf.gradients`` at batch 48 peaks at 639-642 MiB with it and 623-625
 without.
@@ -25,8 +25,10 @@ without.
 ``SWAPPING_HEURISTICS``: everything ``DEFAULT_MEM_OPT`` does (GPU swapping heuristics, swaps
 asked for with ``_swap_to_host``) except the scheduling pass. Grappler reads the option from
 the *call* (``FunctionCallOptions.config_proto``, per thread), not from the trace, so it must
-surround the calls of a ``tf.function``; a function first called under it is optimized once
-more for the new options. TensorFlow has no public switch for it (``tf.config.optimizer``
+surround the calls of a ``tf.function``, in the thread that makes them (a
+``ClusterCoordinator``'s worker threads do not see it); a function first called under it is
+optimized once more for the new options, and one already called outside it keeps its
+constants until it is released, so make the first call inside. TensorFlow has no public switch for it (``tf.config.optimizer``
 leaves ``memory_optimization`` out), so this module sets the private thread-local options.
 """
 
@@ -80,9 +82,12 @@ def without_grappler_scheduling() -> Iterator[None]:
         return
     config.graph_options.rewrite_options.memory_optimization = (
         _MEMORY_OPTIONS.SWAPPING_HEURISTICS)
-    eager.function_call_options = context.FunctionCallOptions(
-        executor_type=options.executor_type, config_proto=config)
+    ours = context.FunctionCallOptions(executor_type=options.executor_type, config_proto=config)
+    eager.function_call_options = ours
     try:
         yield
     finally:
-        eager.function_call_options = options
+        # TensorFlow's own setters (tf.config.optimizer.set_experimental_options, set_jit, ...)
+        # drop the thread's options; where one ran inside the block, its result stays.
+        if eager._thread_local_data.function_call_options is ours:  # pylint: disable=protected-access
+            eager.function_call_options = options
