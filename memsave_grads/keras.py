@@ -599,9 +599,8 @@ class _WrappedTrainStep:
         """Drop the calibrations where the model was compiled again since they were measured:
         another optimizer (Adam keeps twice SGD's state) or loss moves the measured peaks."""
         compiled = _compiled_objects(self._model())
-        measured_with = tuple(None if ref is None else ref() for ref in self.calibrated_with)
-        if len(measured_with) == len(compiled) and all(
-                a is b for a, b in zip(measured_with, compiled)):
+        measured_with = [None if ref is None else ref() for ref in self.calibrated_with]
+        if self.calibrated_with and all(a is b for a, b in zip(measured_with, compiled)):
             return
         if self.calibrated:
             logging.info("memsave_grads.keras: %s was compiled again: its budget is "

@@ -26,10 +26,11 @@ without.
 asked for with ``_swap_to_host``) except the scheduling pass. Grappler reads the option from
 the *call* (``FunctionCallOptions.config_proto``, per thread), not from the trace, so it must
 surround the calls of a ``tf.function``, in the thread that makes them (a
-``ClusterCoordinator``'s worker threads do not see it); a function first called under it is
-optimized once more for the new options, and one already called outside it keeps its
-constants until it is released, so make the first call inside. TensorFlow has no public switch for it (``tf.config.optimizer``
-leaves ``memory_optimization`` out), so this module sets the private thread-local options.
+``ClusterCoordinator``'s worker threads do not see it). A function first called under it is
+optimized once more for the new options; one already called outside it keeps its constants
+while it lives, so make the first call inside. TensorFlow has no public switch for it
+(``tf.config.optimizer`` leaves ``memory_optimization`` out), so this module sets the private
+thread-local options.
 """
 
 from __future__ import annotations
@@ -89,5 +90,6 @@ def without_grappler_scheduling() -> Iterator[None]:
     finally:
         # TensorFlow's own setters (tf.config.optimizer.set_experimental_options, set_jit, ...)
         # drop the thread's options; where one ran inside the block, its result stays.
-        if eager._thread_local_data.function_call_options is ours:  # pylint: disable=protected-access
+        current = eager._thread_local_data.function_call_options  # pylint: disable=protected-access
+        if current is ours:
             eager.function_call_options = options
