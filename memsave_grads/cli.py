@@ -177,11 +177,12 @@ def _add_models(parser: argparse.ArgumentParser, default: str = "all",
                              f"(default: {default})")
 
 
-def _add_fractions(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fractions", type=_fractions, default=[0.75, 0.5, 0.35],
+def _add_fractions(parser: argparse.ArgumentParser,
+                   default: Sequence[float] = (0.75, 0.5, 0.35)) -> None:
+    parser.add_argument("--fractions", type=_fractions, default=list(default),
                         metavar="F,F,...",
                         help="budgets as fractions of tf.gradients' predicted peak "
-                             "(default: 0.75,0.5,0.35)")
+                             f"(default: {','.join(str(f) for f in default)})")
 
 
 def _add_output(parser: argparse.ArgumentParser) -> None:
@@ -233,7 +234,9 @@ _COMMANDS = (
      "tf.gradients. A progress line per try on stderr, a table on stdout, a PNG with --plot."),
     ("solvers", "the greedy budget solver against the exact ones on small graphs",
      "The greedy heuristic against the exact solvers (dp, milp) on graphs of <= 200 ops: "
-     "recompute cost at each budget, relative to the best plan found, and solve times."),
+     "recompute cost at each budget, relative to the best plan found, and solve times. With "
+     "--models, the greedy solver alone on those benchmark networks at --fractions: its "
+     "recomputed share of the forward FLOPs, planning seconds and its bound on plans scored."),
 )
 
 
@@ -317,6 +320,8 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
         _add_plot(parser, "peak memory against size, per method")
         _add_output(parser)
     elif name == "solvers":
+        _add_models(parser, default="the small graphs, all solvers")
+        _add_fractions(parser, default=(0.75, 0.6, 0.5, 0.4, 0.35))
         _add_output(parser)
 
 

@@ -167,6 +167,17 @@ def test_explain_command_prints_a_plan():
     assert "predicted peak:" in proc.stdout
 
 
+def test_solvers_command_plans_the_chosen_networks():
+    proc = _run(["-m", "memsave_grads", "solvers", "--models", "tanh MLP",
+                 "--fractions", "0.5,0.3"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| tanh MLP")]
+    assert len(rows) == 2 and "| 50% = " in rows[0] and "| 30% = " in rows[1], proc.stdout
+    shares = [float(row.split("|")[4].split("%")[0]) for row in rows]
+    assert 0 < shares[0] < shares[1], proc.stdout  # a smaller budget recomputes more
+    assert rows[0].endswith("| 256 |") and "greedy recomputes" in proc.stdout
+
+
 def test_keras_models_build_and_explain():
     """Every Keras model of the benchmark builds in a graph and gets a plan that saves memory."""
     pytest.importorskip("tf_keras")
@@ -279,7 +290,8 @@ def test_top_level_help_lists_every_command_with_one_line(capsys):
                  "--output"], ["--plot"]),
     ("tradeoff", ["--models", "(default: ResNet50)", "--fractions", "--plot", "--output"],
      ["--depth"]),
-    ("solvers", ["--output"], ["--models", "--repeats"]),
+    ("solvers", ["--output", "--models", "--fractions", "(default: 0.75,0.6,0.5,0.4,0.35)"],
+     ["--repeats", "--plot"]),
 ])
 def test_each_command_has_its_own_help(command, present, absent, capsys):
     with pytest.raises(SystemExit) as exit_info:

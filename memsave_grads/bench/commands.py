@@ -251,8 +251,15 @@ def tradeoff(args: argparse.Namespace) -> int:
 
 
 def solvers_command(args: argparse.Namespace) -> int:
-    """``solvers``: greedy vs dp vs milp on small graphs."""
-    rows = bench_solvers.compare()
+    """``solvers``: greedy vs dp vs milp on small graphs; with --models, greedy on networks."""
+    if args.models:
+        specs = models.select(models.benchmark_models(), args.models)
+        rows = bench_solvers.compare({spec.name: spec.build for spec in specs}, args.fractions,
+                                     ("greedy",))
+        _write(args, bench_solvers.network_table(rows) + "\n\n" + bench_solvers.NETWORK_NOTES,
+               "The greedy budget solver on networks")
+        return 0
+    rows = bench_solvers.compare(fractions=args.fractions)
     _write(args, bench_solvers.comparison_table(rows) + "\n\n" + bench_solvers.NOTES,
            "Budget solvers on small graphs")
     return 0

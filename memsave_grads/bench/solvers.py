@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import tensorflow as tf
 
@@ -21,6 +21,7 @@ from memsave_grads import errors
 from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import solvers
+from memsave_grads.core.solvers import greedy
 from memsave_grads.core.solvers import problem as problem_lib
 
 #: Budgets as fractions of tf.gradients' predicted peak.
@@ -125,19 +126,23 @@ class Row:
     fraction: float
     budget_bytes: int
     plans: dict  # solver -> Plan, or the error's short text
+    forward_cost: float = 0.0  # the forward pass's recompute cost (FLOPs), all nodes
 
 
-def compare(names: Sequence[str] | None = None, fractions: Sequence[float] = FRACTIONS,
+def compare(graphs: Mapping[str, Callable] | None = None, fractions: Sequence[float] = FRACTIONS,
             solver_names: Sequence[str] = COMPARED_SOLVERS) -> list[Row]:
+    """Every solver's plan for each graph (name -> builder of (loss, weights); default
+    :data:`SMALL_GRAPHS`) at each budget, a fraction of tf.gradients' predicted peak."""
     rows = []
-    for name in names or SMALL_GRAPHS:
+    for name, build in (graphs or SMALL_GRAPHS).items():
         graph = tf.Graph()
         with graph.as_default():
-            problem = problem_for(*SMALL_GRAPHS[name]())
+            problem = problem_for(*build())
         plain = memory_model.plain_peak_bytes(problem.graph)
+        forward = sum(problem.graph.cost_of(v) for v in range(problem.graph.num_nodes))
         for fraction in fractions:
             budget = int(fraction * plain)
-            row = Row(name, problem.graph.num_nodes, fraction, budget, {})
+            row = Row(name, problem.graph.num_nodes, fraction, budget, {}, forward)
             for solver in solver_names:
                 try:
                     row.plans[solver] = solvers.solve(problem.with_budget(budget), solver)
@@ -177,11 +182,37 @@ def comparison_table(rows: Sequence[Row], solver_names: Sequence[str] = COMPARED
     return "\n".join(lines)
 
 
+def network_table(rows: Sequence[Row]) -> str:
+    """Greedy's plans on networks: recomputed FLOPs as a share of the forward pass, planning
+    seconds and the bound on plans scored (``greedy.plan_limit``)."""
+    lines = ["| network | ops | budget | greedy recomputes (of forward) | seconds | plans at most |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        plan = row.plans["greedy"]
+        cells = [row.graph, str(row.forward_ops),
+                 f"{row.fraction:.0%} = {budgets.format_bytes(row.budget_bytes)}"]
+        if isinstance(plan, plan_lib.Plan):
+            nested = f" ({plan.planner}, {plan.levels} levels)" if plan.levels > 1 else ""
+            cells += [f"{plan.recompute_cost / row.forward_cost:.1%}{nested}",
+                      f"{plan.solve_seconds:.2f}"]
+        else:
+            cells += [str(plan), "-"]
+        cells.append(str(greedy.plan_limit(row.forward_ops)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 NOTES = """cost: recomputed FLOPs of the plan (static shapes), and its ratio to the cheapest plan any
 solver found for that budget; "opt": the solver proved its plan optimal (milp: over all kept
 sets, under the replay; dp: only over plans made of cuts, under its decomposed peak).
-budget: a fraction of tf.gradients' predicted peak. greedy is the default solver (cut search,
-fast DP seeds, fill; under a second); dp plans cuts exactly under a decomposed peak (then
-checked by the replay); milp searches kept sets under a valid relaxation of the replay's peak,
-excluding plans the replay rejects until the best plan found meets its lower bound (design note
-"budget solvers")."""
+budget: a fraction of tf.gradients' predicted peak. greedy is the default solver (fast DP
+seeds, cut search, fill; at most 256 plans scored, fewer past 1600 ops); dp plans cuts exactly
+under a decomposed peak (then checked by the replay); milp searches kept sets under a valid
+relaxation of the replay's peak, excluding plans the replay rejects until the best plan found
+meets its lower bound (design note "budget solvers")."""
+
+NETWORK_NOTES = """greedy recomputes: the plan's recomputed FLOPs (static shapes) as a share of the forward
+pass's. budget: a fraction of tf.gradients' predicted peak. seconds: planning wall time on this
+machine. plans at most: the solver's bound on plans scored (each a replay of the memory model),
+which makes its plan independent of the machine's speed (greedy.plan_limit: 256, fewer past
+1600 ops)."""

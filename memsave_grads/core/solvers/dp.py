@@ -34,7 +34,7 @@ def _prefix(values) -> list:
 
 def dp_cuts(problem: problem_lib.BudgetProblem, search: planners.CutSearch, positions: list[int],
              budget_bytes: int, keep_ratios: Sequence[float | None] = (None,),
-             quantum: int = 0, deadline: float = math.inf) -> tuple[tuple, set] | None:
+             quantum: int = 0) -> tuple[tuple, set] | None:
     """The cheapest cuts (a subset of ``positions``) under the decomposed peak, or None.
 
     Decomposed peak of cuts q_1 < ... < q_m (q_0 = -1): while segment (q_{i-1}, q_i] is
@@ -47,7 +47,6 @@ def dp_cuts(problem: problem_lib.BudgetProblem, search: planners.CutSearch, posi
     on, are not recomputed, and are counted at full size in the segment's local peak). Returns
     the cuts and the nodes kept inside segments. ``quantum``: at most one label per position
     and bucket of this many kept bytes, the cheapest (fewer labels: fast, no longer exact).
-    Gives up (None) at ``deadline``.
     """
     graph = problem.graph
     n = graph.num_nodes
@@ -113,8 +112,6 @@ def dp_cuts(problem: problem_lib.BudgetProblem, search: planners.CutSearch, posi
         return front
 
     for a_index in range(-1, len(positions)):
-        if time.perf_counter() > deadline:
-            return None
         if a_index >= 0:
             pending[a_index] = pareto(list(pending[a_index].values()) if quantum
                                       else pending[a_index])

@@ -5,7 +5,6 @@ See the package docstring for the phases."""
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from typing import Callable
 
@@ -23,11 +22,16 @@ GREEDY_CAP_POINTS = 24
 GREEDY_FILL_PLANS = 3
 #: The fill does not try nodes whose cost is under this share of the plan's recompute cost.
 GREEDY_FILL_MIN_SHARE = 1e-3
-#: The greedy solver starts no new DP seed this many seconds after it started, and scores no
-#: new plan after GREEDY_SECONDS (once one fits: it then returns the best so far). On graphs
-#: of <= 200 ops it finishes well before either.
-GREEDY_DP_SECONDS = 0.45
-GREEDY_SECONDS = 0.7
+#: The greedy solver's bound on work (:func:`plan_limit`), not on time, so that its plan does
+#: not depend on the machine's speed: it scores at most GREEDY_MAX_PLANS plans, and fewer on
+#: large graphs, so that it replays at most GREEDY_REPLAYED_NODES nodes in all, but never
+#: fewer than GREEDY_MIN_PLANS plans. Without a bound, its best plan on the budget benchmark's
+#: networks (<= 800 ops, 75/50/35% budgets) came by the 206th plan, and within 1% of it by the
+#: 163rd; the search went on to 815 plans (docs/budgets.md). A replay costs about 10 us per
+#: node on 2 CPU cores: at most ~2.5 s on 800 ops, ~5 s on 4000.
+GREEDY_MAX_PLANS = 256
+GREEDY_REPLAYED_NODES = 400_000
+GREEDY_MIN_PLANS = 64
 #: The greedy solver's DP seeds: at most this many cut positions (thinned evenly), one label
 #: per bucket of 1/GREEDY_DP_LABELS of the budget, at most GREEDY_DP_RETRIES replays per seed.
 GREEDY_DP_POSITIONS = 80
@@ -57,14 +61,14 @@ def _last_true(lo: int, hi: int, predicate: Callable[[int], bool]) -> int | None
 
 
 def _fill(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer, kept: frozenset,
-          deadline: float = math.inf, skip: bool = True) -> None:
+          skip: bool = True) -> None:
     """Spend the budget left by ``kept`` on keeping recomputed nodes, most cost per byte first.
 
     Runs of nodes that fit are found by galloping then binary search (one replay per probe);
     a node that does not fit is skipped, not the end: smaller or cheaper-to-hold ones after it
     still get their turn (``skip=False``: the first such node ends the fill). Nodes whose cost
     is negligible (under ``GREEDY_FILL_MIN_SHARE`` of the plan's recompute cost) are not
-    tried. Stops at ``deadline`` (``time.perf_counter()``).
+    tried.
     """
     graph = problem.graph
     current, _, cost = scorer(kept)
@@ -74,7 +78,7 @@ def _fill(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer, kept: 
                     if v in problem.candidates and graph.cost_of(v) > floor),
                    key=lambda v: (-graph.cost_of(v) / max(graph.size_bytes[v], 1), v))
     i = 0
-    while i < len(extra) and time.perf_counter() < deadline:
+    while i < len(extra):
         rest = len(extra) - i
 
         def fits(k, base=current, start=i):
@@ -100,17 +104,23 @@ def _fill(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer, kept: 
         i += good + 1  # extra[i + good] did not fit: skip it
 
 
+def plan_limit(num_nodes: int) -> int:
+    """How many plans the greedy solver scores at most on a graph of ``num_nodes`` nodes."""
+    return max(GREEDY_MIN_PLANS, min(GREEDY_MAX_PLANS, GREEDY_REPLAYED_NODES // max(num_nodes, 1)))
+
+
 def solve_greedy(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
     """Budget search over frontier-cut plans, fast DP seeds, then fill (module docstring)."""
     started = time.perf_counter()
-    scorer = problem_lib.Scorer(problem, deadline=started + GREEDY_SECONDS)
+    scorer = problem_lib.Scorer(problem, max_plans=plan_limit(problem.graph.num_nodes))
     nothing = scorer(problem.must_keep)  # plain tf.gradients (kept: only what must be)
     if nothing[1] <= problem.budget_bytes and nothing[2] == 0:
         return scorer.plan("greedy", started, optimal=True)
     try:
-        _greedy_search(problem, scorer, dp_deadline=started + GREEDY_DP_SECONDS)
-    except problem_lib.OutOfTime:
-        logging.vlog(1, "memsave_grads: greedy: out of time, best plan so far")
+        _greedy_search(problem, scorer, dp_seeds=True)
+    except problem_lib.OutOfPlans:
+        logging.vlog(1, "memsave_grads: greedy: %d plans scored, the best so far stands",
+                     len(scorer.cache))
     return scorer.plan("greedy", started)
 
 
@@ -122,24 +132,28 @@ def cheapest_within(problem: problem_lib.BudgetProblem, kept: frozenset
 
     The ``"memory"`` strategy's second step (design note "frontier cuts"): with the budget at
     the lowest peak found, the same peak for less recomputation. Bounded by work, not time
-    (at most :data:`REFINE_MAX_PLANS` plans scored), and the DP seeds, which are
-    bounded by time, are left out: one graph always gets one plan.
+    (at most :data:`REFINE_MAX_PLANS` plans scored), so one graph always gets one plan. The
+    DP seeds are left out: they look for plans far from the cuts, and it has the cut plan.
     """
     scorer = problem_lib.Scorer(problem, max_plans=REFINE_MAX_PLANS)
     start = scorer(kept)
     try:
-        _greedy_search(problem, scorer, dp_deadline=None)
-    except problem_lib.OutOfTime:
+        _greedy_search(problem, scorer, dp_seeds=False)
+    except problem_lib.OutOfPlans:
         logging.vlog(1, "memsave_grads: refining the plan: %d plans scored, best so far",
                      len(scorer.cache))
     return scorer.best or start, start
 
 
 def _greedy_search(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer,
-                   dp_deadline: float | None) -> None:
+                   dp_seeds: bool) -> None:
     """The greedy solver's phases, best plans first; ``scorer`` keeps the best that fits and
-    ends the search at its deadline. No DP seeds without ``dp_deadline``."""
+    ends the search once it has scored as many plans as it may."""
     search = planners.CutSearch(problem.graph, problem.must_keep, problem.candidates)
+    if search.feasible and dp_seeds:
+        # First: on graphs of thousands of ops the cut search alone can spend the scorer's
+        # plans, and the seeds found 13x cheaper plans there (docs/budgets.md).
+        _dp_seeds(problem, scorer, search)
     if search.feasible:
         seen = set()
         for cap in search.caps(GREEDY_CAP_POINTS):
@@ -157,20 +171,20 @@ def _greedy_search(problem: problem_lib.BudgetProblem, scorer: problem_lib.Score
     bases += sorted(fitting, key=lambda r: (r[1], r[2]))[:GREEDY_FILL_PLANS]
     for kept in dict.fromkeys(r[0] for r in bases):
         _fill(problem, scorer, kept, skip=False)
-    if search.feasible and dp_deadline is not None:
-        _dp_seeds(problem, scorer, search, dp_deadline)
-    # With the time left, fill the best plans again, now skipping nodes that do not fit.
+    # With the plans left, fill the best plans again, now skipping nodes that do not fit.
     fitting = [r for r in scorer.cache.values() if r[1] <= problem.budget_bytes]
     for result in sorted(fitting, key=lambda r: (r[2], r[1]))[:GREEDY_FILL_PLANS]:
         _fill(problem, scorer, result[0])
 
 
 def _dp_seeds(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer,
-              search: planners.CutSearch, deadline: float) -> None:
+              search: planners.CutSearch) -> None:
     """Fast, inexact DP plans (few positions, rounded labels; see :func:`dp.dp_cuts`), each
     checked by the replay (the DP budget tightened by the overshoot if it disagrees), then
     filled. The ways a segment may be recomputed: whole, or keeping its nodes that cost at
-    least a quantile of cost per byte (``GREEDY_DP_QUANTILES``)."""
+    least a quantile of cost per byte (``GREEDY_DP_QUANTILES``). At most 8 seeds of
+    ``GREEDY_DP_RETRIES`` DP runs each; every run that finds cuts scores a plan, so the
+    scorer's bound ends this phase too."""
     graph = problem.graph
     ratios = sorted(graph.cost_of(v) / max(graph.size_bytes[v], 1) for v in problem.candidates
                     if v not in problem.must_keep and graph.cost_of(v) > 0)
@@ -178,7 +192,7 @@ def _dp_seeds(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer,
         return
     quantum = max(problem.budget_bytes // GREEDY_DP_LABELS, 1)
     # The DP's model is not the replay's, so other positions give other plans: a second round
-    # with half as many positions, if time is left.
+    # with half as many positions, if plans are left.
     for count, quantile in itertools.product(
             (GREEDY_DP_POSITIONS, GREEDY_DP_POSITIONS // 2), (None,) + GREEDY_DP_QUANTILES):
         positions = search.positions(count)
@@ -186,10 +200,7 @@ def _dp_seeds(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer,
             None, ratios[min(int(quantile * len(ratios)), len(ratios) - 1)])
         budget_bytes, previous, factor = problem.budget_bytes, None, 1
         for _ in range(GREEDY_DP_RETRIES):
-            if time.perf_counter() >= deadline:
-                return
-            found = dp_lib.dp_cuts(problem, search, positions, budget_bytes, modes, quantum,
-                                   deadline)
+            found = dp_lib.dp_cuts(problem, search, positions, budget_bytes, modes, quantum)
             if found is None:
                 break
             kept, peak, _ = scorer(search.kept_for(found[0]) | found[1])

@@ -104,24 +104,21 @@ def _share(nbytes: int, plain_bytes: int) -> str:
     return f"{nbytes / plain_bytes:.1%}" if plain_bytes > 0 else "n/a"
 
 
-class OutOfTime(Exception):
-    """A scorer's deadline passed, or it scored as many plans as it may (and it has a plan
-    that fits)."""
+class OutOfPlans(Exception):
+    """A scorer scored as many plans as it may, and it has a plan that fits."""
 
 
 class Scorer:
     """Scores plans once each (a replay is the expensive step) and remembers the best fit.
 
-    With a ``deadline`` (``time.perf_counter()``), scoring a new plan after it raises
-    :class:`OutOfTime`, but only once some plan fits: the search stops, the best plan stands.
-    ``max_plans`` bounds the plans scored the same way, but by work instead of by the clock,
-    so that a graph always gets the same plan, however busy the machine.
+    ``max_plans`` bounds the search by work, not by the clock: scoring a new plan once that
+    many are scored raises :class:`OutOfPlans`, but only once some plan fits (the search stops,
+    the best plan stands). So a graph always gets the same plan, however busy the machine
+    (design note "budget solvers").
     """
 
-    def __init__(self, problem: BudgetProblem, deadline: float = math.inf,
-                 max_plans: int | float = math.inf):
+    def __init__(self, problem: BudgetProblem, max_plans: int | float = math.inf):
         self.problem = problem
-        self.deadline = deadline
         self.max_plans = max_plans
         self.cache: dict[frozenset, tuple[frozenset, int, float]] = {}
         self.smallest_peak = math.inf
@@ -130,9 +127,8 @@ class Scorer:
     def __call__(self, kept) -> tuple[frozenset, int, float]:
         key = frozenset(kept)
         if key not in self.cache:
-            if self.best is not None and (time.perf_counter() > self.deadline
-                                          or len(self.cache) >= self.max_plans):
-                raise OutOfTime()
+            if self.best is not None and len(self.cache) >= self.max_plans:
+                raise OutOfPlans()
             result = score(self.problem, key)
             self.cache[key] = result
             closed, peak, cost = result
