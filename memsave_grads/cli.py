@@ -320,8 +320,9 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
         _add_plot(parser, "peak memory against size, per method")
         _add_output(parser)
     elif name == "solvers":
+        from memsave_grads.bench import models  # pylint: disable=import-outside-toplevel
         _add_models(parser, default="the small graphs, all solvers")
-        _add_fractions(parser, default=(0.75, 0.6, 0.5, 0.4, 0.35))
+        _add_fractions(parser, default=models.SOLVER_FRACTIONS)
         _add_output(parser)
 
 

@@ -17,6 +17,11 @@ if TYPE_CHECKING:  # annotations only: importing TensorFlow here would defeat th
     from memsave_grads.bench.graphs import BuiltModel
 
 
+#: The budgets of the ``solvers`` command, as fractions of tf.gradients' predicted peak (here,
+#: not in :mod:`memsave_grads.bench.solvers`, so the command line reads them without TensorFlow).
+SOLVER_FRACTIONS = (0.75, 0.6, 0.5, 0.4, 0.35)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """A named model: ``build()`` is called inside a fresh graph and returns (loss, variables)."""

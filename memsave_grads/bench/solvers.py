@@ -16,6 +16,7 @@ from typing import Callable, Mapping, Sequence
 import tensorflow as tf
 
 from memsave_grads import api
+from memsave_grads.bench import models
 from memsave_grads.core import budgets
 from memsave_grads import errors
 from memsave_grads.core import memory_model
@@ -25,7 +26,7 @@ from memsave_grads.core.solvers import greedy
 from memsave_grads.core.solvers import problem as problem_lib
 
 #: Budgets as fractions of tf.gradients' predicted peak.
-FRACTIONS = (0.75, 0.6, 0.5, 0.4, 0.35)
+FRACTIONS = models.SOLVER_FRACTIONS
 COMPARED_SOLVERS = ("greedy", "dp", "milp")
 
 
@@ -134,7 +135,7 @@ def compare(graphs: Mapping[str, Callable] | None = None, fractions: Sequence[fl
     """Every solver's plan for each graph (name -> builder of (loss, weights); default
     :data:`SMALL_GRAPHS`) at each budget, a fraction of tf.gradients' predicted peak."""
     rows = []
-    for name, build in (graphs or SMALL_GRAPHS).items():
+    for name, build in (SMALL_GRAPHS if graphs is None else graphs).items():
         graph = tf.Graph()
         with graph.as_default():
             problem = problem_for(*build())
@@ -185,8 +186,8 @@ def comparison_table(rows: Sequence[Row], solver_names: Sequence[str] = COMPARED
 def network_table(rows: Sequence[Row]) -> str:
     """Greedy's plans on networks: recomputed FLOPs as a share of the forward pass, planning
     seconds and the bound on plans scored (``greedy.plan_limit``)."""
-    lines = ["| network | ops | budget | greedy recomputes (of forward) | seconds | plans at most |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| network | ops | budget | greedy recomputes (of forward) | seconds "
+             "| plans at most |", "|---|---:|---:|---:|---:|---:|"]
     for row in rows:
         plan = row.plans["greedy"]
         cells = [row.graph, str(row.forward_ops),
@@ -202,17 +203,21 @@ def network_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-NOTES = """cost: recomputed FLOPs of the plan (static shapes), and its ratio to the cheapest plan any
-solver found for that budget; "opt": the solver proved its plan optimal (milp: over all kept
-sets, under the replay; dp: only over plans made of cuts, under its decomposed peak).
-budget: a fraction of tf.gradients' predicted peak. greedy is the default solver (fast DP
-seeds, cut search, fill; at most 256 plans scored, fewer past 1600 ops); dp plans cuts exactly
-under a decomposed peak (then checked by the replay); milp searches kept sets under a valid
-relaxation of the replay's peak, excluding plans the replay rejects until the best plan found
-meets its lower bound (design note "budget solvers")."""
+_GREEDY_BOUND = (f"at most {greedy.GREEDY_MAX_PLANS} plans scored once one fits, fewer past "
+                 f"{greedy.GREEDY_REPLAYED_NODES // greedy.GREEDY_MAX_PLANS} ops")
 
-NETWORK_NOTES = """greedy recomputes: the plan's recomputed FLOPs (static shapes) as a share of the forward
-pass's. budget: a fraction of tf.gradients' predicted peak. seconds: planning wall time on this
-machine. plans at most: the solver's bound on plans scored (each a replay of the memory model),
-which makes its plan independent of the machine's speed (greedy.plan_limit: 256, fewer past
-1600 ops)."""
+NOTES = f"""cost: recomputed FLOPs of the plan (static shapes), and its ratio to the cheapest
+plan any solver found for that budget; "opt": the solver proved its plan optimal (milp: over
+all kept sets, under the replay; dp: only over plans made of cuts, under its decomposed peak).
+budget: a fraction of tf.gradients' predicted peak. greedy is the default solver (fast DP
+seeds, cut search, fill;
+{_GREEDY_BOUND}); dp plans cuts exactly under a decomposed peak (then checked by the replay);
+milp searches kept sets under a valid relaxation of the replay's peak, excluding plans the
+replay rejects until the best plan found meets its lower bound (design note "budget
+solvers")."""
+
+NETWORK_NOTES = f"""greedy recomputes: the plan's recomputed FLOPs (static shapes) as a share of
+the forward pass's. budget: a fraction of tf.gradients' predicted peak. seconds: planning wall
+time on this machine. plans at most: the solver's bound on plans scored (each a replay of the
+memory model), which makes its plan independent of the machine's speed (greedy.plan_limit:
+{_GREEDY_BOUND})."""

@@ -11,9 +11,9 @@ replay and the per-node cost), so their answers are comparable (design note "bud
   cuts: for a grid of segment caps it places cuts as ``"memory"`` does, then drops trailing
   cuts (a larger top segment is never recomputed) while the plan fits, and fills the cheapest
   plans and those with the most budget left (keeps recomputed nodes that cost most per byte,
-  a prefix of that order); (3) fills that skip nodes that do not fit. It scores at most
-  ``greedy.plan_limit(nodes)`` plans (256, fewer on graphs of over 1600 ops): a bound on
-  work, not time, so one graph always gets one plan.
+  a prefix of that order); (3) fills that skip nodes that do not fit. Once a plan fits, it
+  scores at most ``greedy.plan_limit(nodes)`` plans (256, fewer on graphs of over 1600 ops):
+  a bound on work, not time, so one graph always gets one plan.
 * :func:`solve_dp` (``"dp"``): an exact dynamic program over cut positions, for graphs that
   are chains of segments (every frontier small). It finds the cheapest set of cuts under a
   decomposed (segment by segment) peak, then checks the plan with the replay, tightening the

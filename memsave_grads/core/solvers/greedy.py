@@ -23,14 +23,15 @@ GREEDY_FILL_PLANS = 3
 #: The fill does not try nodes whose cost is under this share of the plan's recompute cost.
 GREEDY_FILL_MIN_SHARE = 1e-3
 #: The greedy solver's bound on work (:func:`plan_limit`), not on time, so that its plan does
-#: not depend on the machine's speed: it scores at most GREEDY_MAX_PLANS plans, and fewer on
-#: large graphs, so that it replays at most GREEDY_REPLAYED_NODES nodes in all, but never
-#: fewer than GREEDY_MIN_PLANS plans. Without a bound, its best plan on the budget benchmark's
-#: networks (<= 800 ops, 75/50/35% budgets) came by the 206th plan, and within 1% of it by the
-#: 163rd; the search went on to 815 plans (docs/budgets.md). A replay costs about 10 us per
-#: node on 2 CPU cores: at most ~2.5 s on 800 ops, ~5 s on 4000.
+#: not depend on the machine's speed: once a plan fits, it scores at most GREEDY_MAX_PLANS
+#: plans, fewer past 1600 ops so that it replays at most GREEDY_REPLAYED_NODES nodes in all,
+#: but never fewer than GREEDY_MIN_PLANS. Unbounded (cut search first), its best plan on the
+#: budget benchmark's networks (<= 800 ops, 75/50/35% budgets) came by the 206th plan, and
+#: within 1% of it by the 163rd; the search went on to 815 plans; bounded, it found the same
+#: plans (docs/budgets.md). A replay costs about 10 us per node on 2 CPU cores: up to ~2.7 s
+#: on 800 ops, ~5 s on 4000.
 GREEDY_MAX_PLANS = 256
-GREEDY_REPLAYED_NODES = 400_000
+GREEDY_REPLAYED_NODES = GREEDY_MAX_PLANS * 1600
 GREEDY_MIN_PLANS = 64
 #: The greedy solver's DP seeds: at most this many cut positions (thinned evenly), one label
 #: per bucket of 1/GREEDY_DP_LABELS of the budget, at most GREEDY_DP_RETRIES replays per seed.
@@ -150,11 +151,11 @@ def _greedy_search(problem: problem_lib.BudgetProblem, scorer: problem_lib.Score
     """The greedy solver's phases, best plans first; ``scorer`` keeps the best that fits and
     ends the search once it has scored as many plans as it may."""
     search = planners.CutSearch(problem.graph, problem.must_keep, problem.candidates)
-    if search.feasible and dp_seeds:
-        # First: on graphs of thousands of ops the cut search alone can spend the scorer's
-        # plans, and the seeds found 13x cheaper plans there (docs/budgets.md).
-        _dp_seeds(problem, scorer, search)
     if search.feasible:
+        if dp_seeds:
+            # First: on graphs of thousands of ops the cut search alone can spend the
+            # scorer's plans, and the seeds found 13x cheaper plans there (docs/budgets.md).
+            _dp_seeds(problem, scorer, search)
         seen = set()
         for cap in search.caps(GREEDY_CAP_POINTS):
             cuts = search.cuts_for(cap)
@@ -182,9 +183,10 @@ def _dp_seeds(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer,
     """Fast, inexact DP plans (few positions, rounded labels; see :func:`dp.dp_cuts`), each
     checked by the replay (the DP budget tightened by the overshoot if it disagrees), then
     filled. The ways a segment may be recomputed: whole, or keeping its nodes that cost at
-    least a quantile of cost per byte (``GREEDY_DP_QUANTILES``). At most 8 seeds of
-    ``GREEDY_DP_RETRIES`` DP runs each; every run that finds cuts scores a plan, so the
-    scorer's bound ends this phase too."""
+    least a quantile of cost per byte (``GREEDY_DP_QUANTILES``). Bounded by work: at most
+    ``2 * (1 + len(GREEDY_DP_QUANTILES))`` seeds of ``GREEDY_DP_RETRIES`` DP runs each, on at
+    most ``GREEDY_DP_POSITIONS`` positions and ``GREEDY_DP_LABELS`` labels per position; the
+    scorer's bound on plans may end it sooner."""
     graph = problem.graph
     ratios = sorted(graph.cost_of(v) / max(graph.size_bytes[v], 1) for v in problem.candidates
                     if v not in problem.must_keep and graph.cost_of(v) > 0)
