@@ -251,7 +251,7 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
         predicted_plain_peak_bytes=memory_model.plain_peak_bytes(model),
         unknown_dimensions=ctx.unknown_dimensions,
         recompute_flops=recompute_flops,
-        forward_flops=sum(model.cost_of(v) for v in range(model.num_nodes)),
+        forward_flops=model.forward_cost(),
         budget_bytes=plan.budget_bytes,
         rewrite=decision.rewrite,
         planner=plan.planner,

@@ -237,7 +237,7 @@ def tradeoff(args: argparse.Namespace) -> int:
     for spec in specs:
         with tf.Graph().as_default():
             problem = bench_solvers.problem_for(*spec.build())
-        total = sum(problem.graph.cost_of(v) for v in range(problem.graph.num_nodes))
+        total = problem.graph.forward_cost()
         plain = memory_model.plain_peak_bytes(problem.graph)
         front = core_solvers.tradeoff(problem.with_budget(plain), points=16)
         methods = _budget_methods(args.fractions)

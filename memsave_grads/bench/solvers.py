@@ -140,7 +140,7 @@ def compare(graphs: Mapping[str, Callable] | None = None, fractions: Sequence[fl
         with graph.as_default():
             problem = problem_for(*build())
         plain = memory_model.plain_peak_bytes(problem.graph)
-        forward = sum(problem.graph.cost_of(v) for v in range(problem.graph.num_nodes))
+        forward = problem.graph.forward_cost()
         for fraction in fractions:
             budget = int(fraction * plain)
             row = Row(name, problem.graph.num_nodes, fraction, budget, {}, forward)

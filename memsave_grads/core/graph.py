@@ -115,6 +115,10 @@ class ForwardGraph:
         """Cost of recomputing ``node`` (1 per node when no costs are known)."""
         return self.costs[node] if self.costs else 1.0
 
+    def forward_cost(self) -> float:
+        """The whole forward pass's cost: what recomputing every node once would cost."""
+        return sum(self.cost_of(v) for v in range(self.num_nodes))
+
     def consumers(self) -> list[list[int]]:
         """For each node, the distinct nodes that read it (computed once; do not mutate)."""
         return self._consumer_lists
