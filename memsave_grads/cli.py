@@ -317,6 +317,11 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--steps", type=_positive_int, default=3, metavar="N",
                             help="measured steps per try, after one warm-up step "
                                  "(default: %(default)s)")
+        parser.add_argument("--tries", type=_positive_int, default=1, metavar="K",
+                            help="fresh processes per size: a size fits only if all K fit "
+                                 "(near the limit one try can fit and the next run out; "
+                                 "K=3 gives a repeatable answer for K times the tries) "
+                                 "(default: %(default)s)")
         _add_plot(parser, "peak memory against size, per method")
         _add_output(parser)
     elif name == "solvers":

@@ -47,6 +47,50 @@ def test_the_table_compares_with_tf_gradients():
     assert f"{ratio:.2f}x" in text
 
 
+def _tries(*outcomes):
+    """Fake tries of one size, handed out in order; the list keeps what was not yet tried."""
+    queue = list(outcomes)
+    return queue, lambda: queue.pop(0)
+
+
+def test_a_size_fits_only_if_every_try_fits():
+    fit = [fit_limit.Attempt("m", 64, True, peak_bytes=p, step_peak_bytes=p - 10,
+                             step_seconds=s) for p, s in [(500, 3.0), (520, 1.0), (510, 2.0)]]
+    _, try_once = _tries(*fit)
+    seen = []
+    outcome = fit_limit.attempt_repeatedly(try_once, 3, on_try=lambda a, i: seen.append(i))
+    assert outcome.fits and outcome.tries == 3 and seen == [1, 2, 3]
+    assert outcome.peak_bytes == 520 and outcome.step_peak_bytes == 510   # the worst try's
+    assert outcome.step_seconds == 2.0                                     # the median try's
+    assert "fits in all 3 tries" in fit_limit.progress_line(outcome, "batch")
+
+    out = fit_limit.Attempt("m", 64, False, error="OOM when allocating", out_of_memory=True)
+    left, try_once = _tries(fit[0], out, fit[1])
+    outcome = fit_limit.attempt_repeatedly(try_once, 3)
+    assert not outcome.fits and outcome.out_of_memory and outcome.tries == 2
+    assert outcome.error == "try 2 of 3 (after 1 that fit): OOM when allocating"
+    assert left == [fit[1]]   # no try after the first that ran out
+
+
+def test_a_search_with_repeated_tries_stops_below_a_size_that_fits_only_sometimes():
+    """A size that fits in one process and runs out in the next is not the answer."""
+    flaky = {}
+
+    def try_once(size):
+        flaky[size] = flaky.get(size, 0) + 1
+        fits = size <= 40 or (size <= 48 and flaky[size] % 2 == 1)   # 41-48: every other try
+        return (fit_limit.Attempt("m", size, True, peak_bytes=size, step_seconds=1.0) if fits
+                else fit_limit.Attempt("m", size, False, error="OOM", out_of_memory=True))
+
+    once = fit_limit.search("m", try_once, 8, 4096)
+    flaky.clear()
+    every = fit_limit.search(
+        "m", lambda size: fit_limit.attempt_repeatedly(lambda: try_once(size), 2), 8, 4096)
+    assert once.largest.size > 40           # one lucky try counts
+    assert 38 <= every.largest.size <= 40   # within 1/16 of the size that always fits
+    assert every.largest.tries == 2
+
+
 def test_a_bad_model_argument_says_what_it_may_be(tmp_path):
     for bad in ["nothing_here", str(tmp_path / "missing.py") + ":f", "a b:c"]:
         with pytest.raises(ValueError, match="expected a .keras"if ".py" not in bad else

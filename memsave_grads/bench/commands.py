@@ -265,6 +265,12 @@ def solvers_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log_try(attempt: fit_limit.Attempt, index: int) -> None:
+    outcome = "fits" if attempt.fits else (
+        "out of memory" if attempt.out_of_memory else "failed")
+    logging.info("%s: size %d, try %d: %s", attempt.method, attempt.size, index, outcome)
+
+
 def fit_limit_command(args: argparse.Namespace) -> int:
     """``fit-limit``: the largest size per method under the limit; table (+ PNG)."""
     methods = [fit_limit.PLAIN, *args.checkpoints]
@@ -277,18 +283,25 @@ def fit_limit_command(args: argparse.Namespace) -> int:
     for method in methods:
         logging.info("%s: searching from %s %d ...", method, dimension, args.start)
 
-        def try_size(size, method=method):
+        def try_once(size, method=method):
             if args.vary == "batch":
                 return fit_limit.attempt(args.model, method, size, args.limit_mib,
                                          steps=args.steps)
             return fit_limit.attempt(args.model, method, args.batch, args.limit_mib,
                                      sequence_length=size, steps=args.steps)
 
+        def try_size(size, try_once=try_once):
+            if args.tries == 1:
+                return try_once(size)
+            return fit_limit.attempt_repeatedly(lambda: try_once(size), args.tries,
+                                                on_try=_log_try)
+
         searches.append(fit_limit.search(
             method, try_size, args.start, args.max,
             on_attempt=lambda a: logging.info("%s", fit_limit.progress_line(a, dimension))))
     fixed = f", batch {args.batch}" if args.vary == "sequence" else ""
-    title = f"{args.model}: limit {args.limit_mib} MiB{fixed}"
+    every = f", a size fits if all {args.tries} tries fit" if args.tries > 1 else ""
+    title = f"{args.model}: limit {args.limit_mib} MiB{fixed}{every}"
     _write(args, f"{title}\n\n{fit_limit.table(searches, dimension, args.limit_mib)}\n\n"
            f"{fit_limit.TABLE_NOTES}", "How much larger: memsave_grads fit-limit")
     if args.plot:

@@ -68,6 +68,8 @@ class Attempt:
     step_seconds: float | None = None
     error: str = ""
     out_of_memory: bool = False
+    #: how many fresh processes tried this size (all of them fit, where ``fits``).
+    tries: int = 1
 
     @property
     def seconds_per_sample(self) -> float | None:
@@ -286,6 +288,37 @@ def attempt(source: str, method: str, batch_size: int, limit_mib: int,
     return Attempt(method, size, **outcome.result)
 
 
+def attempt_repeatedly(try_once: Callable[[], Attempt], tries: int,
+                       on_try: Callable[[Attempt, int], None] = lambda a, i: None) -> Attempt:
+    """One size tried ``tries`` times, each try its own process: it fits only if every try fit.
+
+    Near the limit a size can fit in one process and run out in the next (the executor orders
+    independent ops differently, and the allocator's chunks fall differently), so a largest
+    size found with one try per size is partly luck; requiring every one of ``tries`` tries
+    to fit makes it repeatable. Stops at the first try that does not fit and returns it (its
+    error says which try it was); otherwise the peak is the largest of the tries' and the
+    step time their median. ``on_try(attempt, index)`` sees each try as it ends.
+    """
+    fitted = []
+    for index in range(1, tries + 1):
+        outcome = try_once()
+        on_try(outcome, index)
+        if not outcome.fits:
+            if tries == 1:
+                return outcome
+            after = f" (after {index - 1} that fit)" if index > 1 else ""
+            return dataclasses.replace(
+                outcome, tries=index, error=f"try {index} of {tries}{after}: {outcome.error}")
+        fitted.append(outcome)
+    if tries == 1:
+        return fitted[0]
+    seconds = sorted(a.step_seconds for a in fitted)
+    return dataclasses.replace(
+        fitted[0], tries=tries, peak_bytes=max(a.peak_bytes for a in fitted),
+        step_peak_bytes=max(a.step_peak_bytes or 0 for a in fitted),
+        step_seconds=seconds[len(seconds) // 2])
+
+
 def _crash_was_memory(request: dict, error: str, timeout_s: float) -> tuple[bool, str]:
     """A try killed by a signal under the cap: TensorFlow's oneDNN CPU kernels crash (SIGSEGV)
     where the capped allocator refuses them (seen on Keras 3 ResNet50 at the batch after the
@@ -346,7 +379,8 @@ def search(method: str, try_size: Callable[[int], Attempt], start: int, maximum:
 
 def progress_line(attempt_: Attempt, dimension: str) -> str:
     if attempt_.fits:
-        return (f"{attempt_.method}: {dimension} {attempt_.size} fits, peak "
+        every = f" in all {attempt_.tries} tries" if attempt_.tries > 1 else ""
+        return (f"{attempt_.method}: {dimension} {attempt_.size} fits{every}, peak "
                 f"{attempt_.peak_bytes / measure.MIB:.1f} MiB, {attempt_.step_seconds * 1e3:.0f} ms "
                 "per step")
     what = "out of memory" if attempt_.out_of_memory else "failed"
@@ -354,7 +388,7 @@ def progress_line(attempt_: Attempt, dimension: str) -> str:
 
 
 def table(searches: Sequence[Search], dimension: str, limit_mib: int) -> str:
-    """One row per method: the largest size that fit, against tf.gradients'."""
+    """One row per method: the largest size that fit (in every try), against tf.gradients'."""
     reference = next((s.largest for s in searches if s.method == PLAIN), None)
     rows = []
     for s in searches:
@@ -383,7 +417,9 @@ TABLE_NOTES = (
     "and the measured steps ran without running out of memory. largest: the largest size that "
     "fit (the search doubles, then bisects to within 1/16); '>=' where it still fit at "
     "--max. ms per sample: the median measured step at that size over its examples. peak: "
-    "the allocator's peak during a measured step, weights and optimizer state included.")
+    "the allocator's peak during a measured step, weights and optimizer state included. With "
+    "--tries K a size fits only if each of K fresh processes fit it (peak: the largest of "
+    "theirs; time: their median).")
 
 
 def plot(searches: Sequence[Search], dimension: str, limit_mib: int, path: str,
