@@ -320,7 +320,8 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--tries", type=_positive_int, default=1, metavar="K",
                             help="fresh processes per size: a size fits only if all K fit "
                                  "(near the limit one try can fit and the next run out; "
-                                 "K=3 gives a repeatable answer for K times the tries) "
+                                 "K=3 makes a lucky answer less likely, for up to K times "
+                                 "the tries) "
                                  "(default: %(default)s)")
         _add_plot(parser, "peak memory against size, per method")
         _add_output(parser)

@@ -55,13 +55,13 @@ def _tries(*outcomes):
 
 def test_a_size_fits_only_if_every_try_fits():
     fit = [fit_limit.Attempt("m", 64, True, peak_bytes=p, step_peak_bytes=p - 10,
-                             step_seconds=s) for p, s in [(500, 3.0), (520, 1.0), (510, 2.0)]]
+                             step_seconds=s) for p, s in [(500, 3.0), (520, 1.0), (510, 1.5)]]
     _, try_once = _tries(*fit)
     seen = []
     outcome = fit_limit.attempt_repeatedly(try_once, 3, on_try=lambda a, i: seen.append(i))
     assert outcome.fits and outcome.tries == 3 and seen == [1, 2, 3]
     assert outcome.peak_bytes == 520 and outcome.step_peak_bytes == 510   # the worst try's
-    assert outcome.step_seconds == 2.0                                     # the median try's
+    assert outcome.step_seconds == 1.5                    # the median try's, not the mean
     assert "fits in all 3 tries" in fit_limit.progress_line(outcome, "batch")
 
     out = fit_limit.Attempt("m", 64, False, error="OOM when allocating", out_of_memory=True)
@@ -70,6 +70,51 @@ def test_a_size_fits_only_if_every_try_fits():
     assert not outcome.fits and outcome.out_of_memory and outcome.tries == 2
     assert outcome.error == "try 2 of 3 (after 1 that fit): OOM when allocating"
     assert left == [fit[1]]   # no try after the first that ran out
+
+
+def test_a_step_peak_unknown_in_any_try_stays_unknown():
+    tries = [fit_limit.Attempt("m", 8, True, peak_bytes=5, step_peak_bytes=b, step_seconds=1.0)
+             for b in (3, None)]
+    _, try_once = _tries(*tries)
+    assert fit_limit.attempt_repeatedly(try_once, 2).step_peak_bytes is None
+
+
+def test_the_command_tries_each_size_as_often_as_asked(monkeypatch, capsys):
+    """The command line to the search: --tries 2 runs two processes per size, and a size one
+    of them ran out on is not the answer (fake tries instead of processes)."""
+    calls = []
+
+    def fake_attempt(source, method, batch_size, limit_mib, sequence_length=None, steps=3):
+        calls.append((method, batch_size))
+        fits = batch_size <= 16 or (batch_size <= 20 and calls.count((method, batch_size)) == 1)
+        return (fit_limit.Attempt(method, batch_size, True, peak_bytes=batch_size * 2**20,
+                                  step_peak_bytes=batch_size, step_seconds=0.01 * batch_size)
+                if fits else fit_limit.Attempt(method, batch_size, False, error="OOM",
+                                               out_of_memory=True))
+
+    monkeypatch.setattr(fit_limit, "attempt", fake_attempt)
+    from memsave_grads import cli  # pylint: disable=import-outside-toplevel
+    from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
+    args = cli.build_parser().parse_args([
+        "fit-limit", f"{MODELS}:residual_mlp", "--limit-mib", "64", "--checkpoints", "memory",
+        "--start", "8", "--max", "64", "--tries", "2"])
+    assert commands.fit_limit_command(args) == 0
+    table = capsys.readouterr().out
+    assert "a size fits if all 2 tries fit" in table
+    for method in (fit_limit.PLAIN, "memory"):
+        sizes = [size for m, size in calls if m == method]
+        assert sizes.count(8) == 2 and sizes.count(16) == 2     # every fitting size twice
+        assert sizes.count(32) == 1                              # no second try after a failure
+    rows = [line for line in table.splitlines() if line.startswith("| tf.gradients")]
+    assert rows and rows[0].split("|")[2].strip() == "16"   # not a lucky 17-20
+
+
+def test_tries_must_be_positive(capsys):
+    from memsave_grads import cli  # pylint: disable=import-outside-toplevel
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(
+            ["fit-limit", f"{MODELS}:residual_mlp", "--limit-mib", "64", "--tries", "0"])
+    assert "--tries" in capsys.readouterr().err
 
 
 def test_a_search_with_repeated_tries_stops_below_a_size_that_fits_only_sometimes():

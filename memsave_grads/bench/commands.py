@@ -265,10 +265,11 @@ def solvers_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _log_try(attempt: fit_limit.Attempt, index: int) -> None:
+def _log_try(attempt: fit_limit.Attempt, index: int, dimension: str) -> None:
     outcome = "fits" if attempt.fits else (
         "out of memory" if attempt.out_of_memory else "failed")
-    logging.info("%s: size %d, try %d: %s", attempt.method, attempt.size, index, outcome)
+    logging.info("%s: %s %d, try %d: %s", attempt.method, dimension, attempt.size, index,
+                 outcome)
 
 
 def fit_limit_command(args: argparse.Namespace) -> int:
@@ -293,8 +294,9 @@ def fit_limit_command(args: argparse.Namespace) -> int:
         def try_size(size, try_once=try_once):
             if args.tries == 1:
                 return try_once(size)
-            return fit_limit.attempt_repeatedly(lambda: try_once(size), args.tries,
-                                                on_try=_log_try)
+            return fit_limit.attempt_repeatedly(
+                lambda: try_once(size), args.tries,
+                on_try=lambda a, i: _log_try(a, i, dimension))
 
         searches.append(fit_limit.search(
             method, try_size, args.start, args.max,

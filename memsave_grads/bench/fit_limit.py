@@ -295,9 +295,9 @@ def attempt_repeatedly(try_once: Callable[[], Attempt], tries: int,
     Near the limit a size can fit in one process and run out in the next (the executor orders
     independent ops differently, and the allocator's chunks fall differently), so a largest
     size found with one try per size is partly luck; requiring every one of ``tries`` tries
-    to fit makes it repeatable. Stops at the first try that does not fit and returns it (its
+    to fit makes it less so. Stops at the first try that does not fit and returns it (its
     error says which try it was); otherwise the peak is the largest of the tries' and the
-    step time their median. ``on_try(attempt, index)`` sees each try as it ends.
+    step time their median (the upper middle one for an even ``tries``, as within a try). ``on_try(attempt, index)`` sees each try as it ends.
     """
     fitted = []
     for index in range(1, tries + 1):
@@ -315,7 +315,8 @@ def attempt_repeatedly(try_once: Callable[[], Attempt], tries: int,
     seconds = sorted(a.step_seconds for a in fitted)
     return dataclasses.replace(
         fitted[0], tries=tries, peak_bytes=max(a.peak_bytes for a in fitted),
-        step_peak_bytes=max(a.step_peak_bytes or 0 for a in fitted),
+        step_peak_bytes=(None if any(a.step_peak_bytes is None for a in fitted)
+                         else max(a.step_peak_bytes for a in fitted)),
         step_seconds=seconds[len(seconds) // 2])
 
 
