@@ -63,6 +63,7 @@ def test_a_size_fits_only_if_every_try_fits():
     assert outcome.peak_bytes == 520 and outcome.step_peak_bytes == 510   # the worst try's
     assert outcome.step_seconds == 1.5                    # the median try's, not the mean
     assert "fits in all 3 tries" in fit_limit.progress_line(outcome, "batch")
+    assert fit_limit.attempt_repeatedly(lambda: fit[0], 1) == fit[0]   # one try: as it came
 
     out = fit_limit.Attempt("m", 64, False, error="OOM when allocating", out_of_memory=True)
     left, try_once = _tries(fit[0], out, fit[1])
@@ -70,6 +71,7 @@ def test_a_size_fits_only_if_every_try_fits():
     assert not outcome.fits and outcome.out_of_memory and outcome.tries == 2
     assert outcome.error == "try 2 of 3 (after 1 that fit): OOM when allocating"
     assert left == [fit[1]]   # no try after the first that ran out
+    assert fit_limit.attempt_repeatedly(lambda: out, 1) == out
 
 
 def test_a_step_peak_unknown_in_any_try_stays_unknown():

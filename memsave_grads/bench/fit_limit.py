@@ -297,7 +297,8 @@ def attempt_repeatedly(try_once: Callable[[], Attempt], tries: int,
     size found with one try per size is partly luck; requiring every one of ``tries`` tries
     to fit makes it less so. Stops at the first try that does not fit and returns it (its
     error says which try it was); otherwise the peak is the largest of the tries' and the
-    step time their median (the upper middle one for an even ``tries``, as within a try). ``on_try(attempt, index)`` sees each try as it ends.
+    step time their median (the upper middle one for an even ``tries``, as within a try).
+    ``on_try(attempt, index)`` sees each try as it ends.
     """
     fitted = []
     for index in range(1, tries + 1):
@@ -310,8 +311,6 @@ def attempt_repeatedly(try_once: Callable[[], Attempt], tries: int,
             return dataclasses.replace(
                 outcome, tries=index, error=f"try {index} of {tries}{after}: {outcome.error}")
         fitted.append(outcome)
-    if tries == 1:
-        return fitted[0]
     seconds = sorted(a.step_seconds for a in fitted)
     return dataclasses.replace(
         fitted[0], tries=tries, peak_bytes=max(a.peak_bytes for a in fitted),
