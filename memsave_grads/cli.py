@@ -323,6 +323,11 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
                                  "K=3 makes a lucky answer less likely, for up to K times "
                                  "the tries) "
                                  "(default: %(default)s)")
+        parser.add_argument("--reserve-limit", action="store_true",
+                            help="CPU: take the whole limit as one allocator region before "
+                                 "the model loads, as TensorFlow does on a GPU without memory "
+                                 "growth (without it the CPU allocator grows in regions of "
+                                 "doubling size, and a tensor cannot span two)")
         _add_plot(parser, "peak memory against size, per method")
         _add_output(parser)
     elif name == "solvers":

@@ -78,21 +78,35 @@ def step_peak_bytes(run: Callable[[], object], runs: int = DEFAULT_RUNS) -> int:
     return max(peak_bytes_of(run)[0] for _ in range(runs))
 
 
-def reserve_cpu_heap(size_bytes: int = 4 << 30) -> None:
+def reserve_cpu_heap(size_bytes: int = 4 << 30) -> bool:
     """Make the CPU BFC allocator's next region one of ``size_bytes`` (virtual memory: it is
-    allocated and freed at once, nothing is written). Call it once, first, in a process that
-    measures XLA steps.
+    allocated and freed at once, nothing is written), or as much of it as a capped allocator
+    still grants (``TF_CPU_BFC_MEM_LIMIT_IN_MB``); True where a region was reserved. Call it
+    once, first, in a process that measures XLA steps or trains under a cap.
 
-    Why: the BFC allocator grows by regions that double in size, and it does not split a free
-    chunk that is less than twice a request. XLA asks for a step's temporaries as one buffer,
-    so without this its peak is rounded up to the region it lands in (measured: 16.0 MiB for
-    two programs whose temporaries differ by 3x). Carved out of one large region, every
-    allocation is split to its own size.
+    Why: the BFC allocator grows by regions that double in size, a tensor cannot span two
+    regions, and it does not split a free chunk that is less than twice a request. XLA asks
+    for a step's temporaries as one buffer, so without this its peak is rounded up to the
+    region it lands in (measured: 16.0 MiB for two programs whose temporaries differ by 3x).
+    Under a cap, a large tensor can run out with much of the limit free in smaller regions
+    (Keras 3 ResNet50 under 600 MiB: docs/benchmarks.md, "one region"). Carved out of one
+    large region, every allocation is split to its own size, as on a GPU without memory
+    growth, where TensorFlow takes its whole limit as one region.
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    with tf.device("CPU:0"):
-        reserved = tf.raw_ops.Empty(shape=[size_bytes // 4], dtype=tf.float32, init=False)
-    del reserved
+    # A capped allocator may already hold a small first region: ask for a little less.
+    for spare_bytes in (0, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 32 * MIB):
+        if size_bytes <= spare_bytes:
+            break
+        try:
+            with tf.device("CPU:0"):
+                reserved = tf.raw_ops.Empty(shape=[(size_bytes - spare_bytes) // 4],
+                                            dtype=tf.float32, init=False)
+            del reserved
+            return True
+        except tf.errors.ResourceExhaustedError:
+            continue
+    return False
 
 
 def median_seconds(step: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:

@@ -86,7 +86,9 @@ def test_the_command_tries_each_size_as_often_as_asked(monkeypatch, capsys):
     of them ran out on is not the answer (fake tries instead of processes)."""
     calls = []
 
-    def fake_attempt(source, method, batch_size, limit_mib, sequence_length=None, steps=3):
+    def fake_attempt(source, method, batch_size, limit_mib, sequence_length=None, steps=3,
+                     reserve_limit=False):
+        assert reserve_limit  # --reserve-limit reaches every try
         calls.append((method, batch_size))
         fits = batch_size <= 16 or (batch_size <= 20 and calls.count((method, batch_size)) == 1)
         return (fit_limit.Attempt(method, batch_size, True, peak_bytes=batch_size * 2**20,
@@ -99,10 +101,10 @@ def test_the_command_tries_each_size_as_often_as_asked(monkeypatch, capsys):
     from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
     args = cli.build_parser().parse_args([
         "fit-limit", f"{MODELS}:residual_mlp", "--limit-mib", "64", "--checkpoints", "memory",
-        "--start", "8", "--max", "64", "--tries", "2"])
+        "--start", "8", "--max", "64", "--tries", "2", "--reserve-limit"])
     assert commands.fit_limit_command(args) == 0
     table = capsys.readouterr().out
-    assert "a size fits if all 2 tries fit" in table
+    assert "a size fits if all 2 tries fit, the limit reserved as one region" in table
     for method in (fit_limit.PLAIN, "memory"):
         sizes = [size for m, size in calls if m == method]
         assert sizes.count(8) == 2 and sizes.count(16) == 2     # every fitting size twice
@@ -226,6 +228,67 @@ def test_a_try_in_its_own_process_fits_or_runs_out_of_memory_under_the_cap():
     assert 0 < fits.step_peak_bytes < fits.peak_bytes  # the weights were in use before
     too_large = fit_limit.attempt(step, fit_limit.PLAIN, 8192, limit_mib=48, steps=1)
     assert not too_large.fits and too_large.out_of_memory, too_large
+
+
+_REGIONS = """
+import json, sys
+import tensorflow as tf
+from memsave_grads import measure
+reserved = measure.reserve_cpu_heap(64 * measure.MIB) if sys.argv[1] == "reserve" else None
+def make(mib):
+    with tf.device("CPU:0"):
+        return tf.raw_ops.Empty(shape=[mib * 2**18], dtype=tf.float32, init=True)
+held = [make(mib) for mib in (1, 3, 7, 15, 31)]
+del held
+try:
+    fits = make(40) is not None
+except tf.errors.ResourceExhaustedError:
+    fits = False
+print(json.dumps({"reserved": reserved, "fits": fits}))
+"""
+
+
+@pytest.mark.parametrize("reserve", [False, True])
+def test_a_capped_cpu_allocator_needs_its_limit_as_one_region(reserve):
+    """Why ``--reserve-limit``: capped at 64 MiB, the CPU allocator grows a region per tensor
+    (2, 4, 8, 16, 32 MiB), keeps them, and cannot place 40 MiB in 62 free MiB split among
+    them; with the limit reserved as one region first (as on a GPU without memory growth) the
+    same tensors are cut from it and 40 MiB fits."""
+    import children  # pylint: disable=import-outside-toplevel
+    result = children.run_json(_REGIONS, "reserve" if reserve else "grow",
+                               env={fit_limit.CPU_LIMIT_ENV: "64"},
+                               preamble=children.ALLOCATOR_PREAMBLE)
+    assert result == {"reserved": True if reserve else None, "fits": reserve}
+
+
+def test_a_try_reserves_the_limit_only_when_asked(monkeypatch):
+    """``attempt(..., reserve_limit=True)`` asks the child to reserve; by default it does not
+    (the README's fit-limit rows were measured with a growing allocator)."""
+    from memsave_grads.bench import child  # pylint: disable=import-outside-toplevel
+    requests = []
+
+    def fake_run(module, request, env=None, timeout_s=None):
+        requests.append(request)
+        return child.ChildRun({"fits": True, "peak_bytes": 1, "step_seconds": 1.0}, 0, "")
+
+    monkeypatch.setattr(child, "run", fake_run)
+    fit_limit.attempt("m.py:f", "memory", 64, limit_mib=600)
+    fit_limit.attempt("m.py:f", "memory", 64, limit_mib=600, reserve_limit=True)
+    assert [r["reserve_limit"] for r in requests] == [False, True]
+
+
+@pytest.mark.parametrize("limit_mib, reserved", [(4096, [4096 * 2**20]), (None, [])])
+def test_the_child_reserves_its_cpu_limit_when_asked(monkeypatch, limit_mib, reserved):
+    """The child's side: a capped try asked to reserve takes its limit, in bytes, before the
+    step runs; the uncapped retry of a crash (no limit) reserves nothing (in this process,
+    with the reservation recorded instead of made)."""
+    calls = []
+    monkeypatch.setattr(measure, "reserve_cpu_heap", calls.append)
+    result = fit_limit._try_here({  # pylint: disable=protected-access
+        "source": f"{MODELS}:tanh_chain_step", "method": fit_limit.PLAIN, "batch_size": 4,
+        "sequence_length": None, "limit_mib": limit_mib, "steps": 1, "reserve_limit": True})
+    assert result["fits"], result
+    assert calls == reserved
 
 
 @pytest.mark.parametrize("uncapped_fits", [True, False])

@@ -287,9 +287,10 @@ def fit_limit_command(args: argparse.Namespace) -> int:
         def try_once(size, method=method):
             if args.vary == "batch":
                 return fit_limit.attempt(args.model, method, size, args.limit_mib,
-                                         steps=args.steps)
+                                         steps=args.steps, reserve_limit=args.reserve_limit)
             return fit_limit.attempt(args.model, method, args.batch, args.limit_mib,
-                                     sequence_length=size, steps=args.steps)
+                                     sequence_length=size, steps=args.steps,
+                                     reserve_limit=args.reserve_limit)
 
         def try_size(size, try_once=try_once):
             if args.tries == 1:
@@ -303,7 +304,8 @@ def fit_limit_command(args: argparse.Namespace) -> int:
             on_attempt=lambda a: logging.info("%s", fit_limit.progress_line(a, dimension))))
     fixed = f", batch {args.batch}" if args.vary == "sequence" else ""
     every = f", a size fits if all {args.tries} tries fit" if args.tries > 1 else ""
-    title = f"{args.model}: limit {args.limit_mib} MiB{fixed}{every}"
+    reserved = ", the limit reserved as one region" if args.reserve_limit else ""
+    title = f"{args.model}: limit {args.limit_mib} MiB{fixed}{every}{reserved}"
     _write(args, f"{title}\n\n{fit_limit.table(searches, dimension, args.limit_mib)}\n\n"
            f"{fit_limit.TABLE_NOTES}", "How much larger: memsave_grads fit-limit")
     if args.plot:

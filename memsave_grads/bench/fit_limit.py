@@ -5,7 +5,9 @@ The question a user brings is not "how many MiB" but "how much larger can I trai
 module answers it the only honest way: it tries. Every try is one fresh process
 (``python -m memsave_grads.bench.fit_limit REQUEST``) whose allocator is capped before
 TensorFlow starts: on CPU with ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` (the BFC allocator then refuses
-what would pass the limit), on a GPU with a logical device of that ``memory_limit``. The try
+what would pass the limit; it grows in regions of doubling size, as a GPU's does with memory
+growth on, unless ``reserve_limit`` takes the whole limit as one region first, as a GPU's does
+by default), on a GPU with a logical device of that ``memory_limit``. The try
 loads the model, runs one step to trace it and one or more measured steps; it fits when no
 step ran out of memory. A search doubles the size from ``start`` until a try fails, then
 bisects between the last size that fit and the first that did not.
@@ -202,6 +204,11 @@ def _try_here(request: dict) -> dict:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import memsave_grads as mg  # pylint: disable=import-outside-toplevel
     _cap_gpu(request["limit_mib"])
+    if (request.get("reserve_limit") and request["limit_mib"] is not None
+            and not tf.config.list_physical_devices("GPU")):
+        # A GPU's logical device takes its whole limit as one region already; the uncapped
+        # retry of a crash (_crash_was_memory) has no limit to reserve.
+        measure.reserve_cpu_heap(request["limit_mib"] * measure.MIB)
     method = request["method"]
     device = measure.default_device()
     calls = _counting_rewrites()
@@ -269,10 +276,12 @@ def _try_here(request: dict) -> dict:
 
 def attempt(source: str, method: str, batch_size: int, limit_mib: int,
             sequence_length: int | None = None, steps: int = 3,
-            timeout_s: float = 1800) -> Attempt:
-    """One try in a fresh process under the memory cap (see the module's docstring)."""
+            timeout_s: float = 1800, reserve_limit: bool = False) -> Attempt:
+    """One try in a fresh process under the memory cap (see the module's docstring);
+    ``reserve_limit``: on CPU, the whole limit as one allocator region from the start."""
     request = {"source": source, "method": method, "batch_size": batch_size,
-               "sequence_length": sequence_length, "limit_mib": limit_mib, "steps": steps}
+               "sequence_length": sequence_length, "limit_mib": limit_mib, "steps": steps,
+               "reserve_limit": reserve_limit}
     size = batch_size if sequence_length is None else sequence_length
     outcome = child.run(__name__, request, env={CPU_LIMIT_ENV: str(limit_mib)},
                         timeout_s=timeout_s)
