@@ -139,12 +139,20 @@ def _load_function(source: str) -> Callable:
 # One try, in the child process
 # --------------------------------------------------------------------------------------------
 
-def _cap_gpu(limit_mib: int | None) -> None:
+def _cap_allocator(limit_mib: int | None, reserve_limit: bool) -> None:
+    """The cap inside the child: a GPU gets a logical device of the limit (which takes it as
+    one region); on CPU the environment variable already caps the allocator, and
+    ``reserve_limit`` takes the limit as one region. No limit (the uncapped retry of a crash,
+    :func:`_crash_was_memory`): nothing."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    if limit_mib is None:
+        return
     gpus = tf.config.list_physical_devices("GPU")
-    if gpus and limit_mib is not None:
+    if gpus:
         tf.config.set_logical_device_configuration(
             gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=limit_mib)])
+    elif reserve_limit:
+        measure.reserve_cpu_heap(limit_mib * measure.MIB)
 
 
 def build(source: str, batch: int, sequence: int | None = None):
@@ -203,12 +211,7 @@ def _try_here(request: dict) -> dict:
     """The child's side of :func:`attempt`: build, trace, measure; a dict of the result."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import memsave_grads as mg  # pylint: disable=import-outside-toplevel
-    _cap_gpu(request["limit_mib"])
-    if (request.get("reserve_limit") and request["limit_mib"] is not None
-            and not tf.config.list_physical_devices("GPU")):
-        # A GPU's logical device takes its whole limit as one region already; the uncapped
-        # retry of a crash (_crash_was_memory) has no limit to reserve.
-        measure.reserve_cpu_heap(request["limit_mib"] * measure.MIB)
+    _cap_allocator(request["limit_mib"], request.get("reserve_limit", False))
     method = request["method"]
     device = measure.default_device()
     calls = _counting_rewrites()
