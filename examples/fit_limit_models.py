@@ -3,9 +3,10 @@
     python -m memsave_grads fit-limit examples/fit_limit_models.py:resnet50 --limit-mib 600 \\
         --checkpoints memory --keras-remat --plot resnet50.png
 
-Each function takes the batch size and returns a compiled Keras 3 model; fit-limit makes a
-batch of random data of the model's shapes (token ids for the integer inputs, class indices
-for the sparse losses). Nothing here is tuned for memsave_grads: these are the stock layers.
+Each function takes the batch size and returns a compiled Keras 3 model (``resnet50_tf_keras``:
+a tf_keras one); fit-limit makes a batch of random data of the model's shapes (token ids for
+the integer inputs, class indices for the sparse losses). Nothing here is tuned for
+memsave_grads: these are the stock layers.
 """
 
 import keras
@@ -14,11 +15,23 @@ import keras
 def resnet50(batch_size, image_size=64, classes=100):
     """keras.applications.ResNet50 (25.6 M weights, random init) on 64 x 64 images."""
     del batch_size
-    keras.utils.set_random_seed(0)
-    model = keras.applications.ResNet50(weights=None, input_shape=(image_size, image_size, 3),
-                                        classes=classes)
-    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy())
+    return _resnet50(keras, image_size, classes)
+
+
+def resnet50_tf_keras(batch_size, image_size=64, classes=100):
+    """The same ResNet50 in tf_keras (Keras 2), as issue 17 first measured it: its batch norm
+    is TensorFlow's fused kernel, where Keras 3 builds it from moments and elementwise ops."""
+    import tf_keras  # pylint: disable=import-outside-toplevel
+    del batch_size
+    return _resnet50(tf_keras, image_size, classes)
+
+
+def _resnet50(keras_module, image_size, classes):
+    keras_module.utils.set_random_seed(0)
+    model = keras_module.applications.ResNet50(
+        weights=None, input_shape=(image_size, image_size, 3), classes=classes)
+    model.compile(optimizer=keras_module.optimizers.SGD(0.01, momentum=0.9),
+                  loss=keras_module.losses.SparseCategoricalCrossentropy())
     return model
 
 

@@ -303,7 +303,7 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
                             help="also try Keras 3's own keras.RematScope(mode='full')")
         parser.add_argument("--release-gradients-early", action="store_true",
                             help="also try each strategy with wrap_model(..., "
-                                 "release_gradients_early=True) (Keras 3 models)")
+                                 "release_gradients_early=True) (Keras models)")
         parser.add_argument("--vary", choices=("batch", "sequence"), default="batch",
                             help="what to grow: the batch, or the sequence length at a fixed "
                                  "--batch (the function then takes sequence_length) "

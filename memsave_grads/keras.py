@@ -165,9 +165,9 @@ def _check_model(model, version: str, action: str) -> None:
 
 def _gradients(loss, variables, checkpoints, fallback, applied_together: bool = True):
     """The gradients of ``loss``, planned for an optimizer that applies them together unless
-    not ``applied_together`` (the step whose updates wait for their own gradients): tf_keras'
-    aggregation holds every weight gradient until the last is done (measured: 128 MiB on a
-    6 x 2048^2 MLP whose gradients are 96), and so do Keras 3 steps that need them all."""
+    not ``applied_together`` (the step whose updates wait for their own gradients): Keras'
+    sum over replicas holds every weight gradient until the last is done (measured on tf_keras:
+    128 MiB on a 6 x 2048^2 MLP whose gradients are 96), and so do steps that need them all."""
     if checkpoints is None:  # the plain step: calibrate_budget's reference
         return tf_graph.ORIGINAL_GRADIENTS(loss, variables)
     with api.gradients_applied_together() if applied_together else contextlib.nullcontext():
@@ -298,7 +298,7 @@ def recomputed_recurrent_cells(model):
         yield cells
 
 
-def _train_step_keras2(model, data, checkpoints, fallback):
+def _train_step_keras2(model, data, checkpoints, fallback, release_gradients_early):
     tf_keras = _import_tf_keras()
     x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
     y_pred, loss = _forward_and_loss(model, KERAS2, x, y, sample_weight)
@@ -306,6 +306,10 @@ def _train_step_keras2(model, data, checkpoints, fallback):
         model._validate_target_and_loss(y, loss)  # pylint: disable=protected-access
     optimizer = model.optimizer
     variables = list(model.trainable_variables)
+    if variables and _updates_wait_for_gradients(model, KERAS2, release_gradients_early):
+        _apply_releasing_early(model, KERAS2, loss, checkpoints, fallback,
+                               release_gradients_early)
+        return model.compute_metrics(x, y, y_pred, sample_weight)
     # What optimizer.minimize(loss, variables, tape=tape) does, with our gradients; a
     # LossScaleOptimizer (Keras 2, legacy or not) scales the loss and unscales the gradients.
     loss_scaled = hasattr(optimizer, "get_scaled_loss") and hasattr(
@@ -338,7 +342,8 @@ def _train_step_keras3(model, data, checkpoints, fallback, recompute_cells,
         loss = model.optimizer.scale_loss(loss)
     if model.trainable_weights and _updates_wait_for_gradients(model, KERAS3,
                                                                 release_gradients_early):
-        _apply_releasing_early(model, loss, checkpoints, fallback, release_gradients_early)
+        _apply_releasing_early(model, KERAS3, loss, checkpoints, fallback,
+                               release_gradients_early)
     elif model.trainable_weights:
         variables = list(model.trainable_weights)
         grads = _gradients(loss, variables, checkpoints, fallback)
@@ -348,34 +353,36 @@ def _train_step_keras3(model, data, checkpoints, fallback, recompute_cells,
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-# Design note "early release" (docs/design.md), for Keras 3's fit: each weight's update runs as
-# soon as its gradient is complete, and the next gradient waits for it, so one weight gradient
-# is alive at a time instead of all of them (memsave_grads.minimize does the same for v1 and
-# tf_keras optimizers). The optimizer's own apply_gradients builds the updates; its
+# Design note "early release" (docs/design.md), for Keras' fit (3 and tf_keras): each weight's
+# update runs as soon as its gradient is complete, and the next gradient waits for it, so one
+# weight gradient is alive at a time instead of all of them (memsave_grads.minimize does the
+# same in a step of one's own). The optimizer's own apply_gradients builds the updates; its
 # iterations, learning-rate schedule and weight decay are untouched.
 
 def _check_early_release(model, version: str) -> None:
     """What cannot be released early, refused before the step is traced."""
-    if version == KERAS2:
-        raise errors.InvalidArgumentError(
-            "release_gradients_early: wrap_model releases gradients early for Keras 3 "
-            "optimizers; for tf_keras call memsave_grads.minimize(loss, model.optimizer, "
-            "model.trainable_variables) from your train_step (docs/minimize.md).")
-    reason = _early_release_refusal(model)
+    reason = _early_release_refusal(model, version)
     if reason is not None:
         raise errors.InvalidArgumentError(
             f"release_gradients_early: the optimizer {type(model.optimizer).__name__} cannot "
             f"update the weights one by one: {reason}.")
 
 
-def _early_release_refusal(model) -> str | None:
-    """Why a Keras 3 model's optimizer cannot update its weights one by one, or None."""
+def _loss_scaled(optimizer, version: str) -> bool:
+    if version == KERAS2:  # tf_keras' LossScaleOptimizer, legacy or not
+        return (hasattr(optimizer, "get_scaled_loss")
+                and hasattr(optimizer, "get_unscaled_gradients"))
     keras, _ = _import_keras3()
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def _early_release_refusal(model, version: str) -> str | None:
+    """Why a Keras model's optimizer cannot update its weights one by one, or None."""
     optimizer = model.optimizer
     strategy = getattr(model, "distribute_strategy", None)
     distributed = tf.distribute.has_strategy() or (
         strategy is not None and strategy is not tf.distribute.get_strategy())
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    if _loss_scaled(optimizer, version):
         reason = ("it is a LossScaleOptimizer, which checks that every gradient is finite "
                   "before it applies any; train in float32, or without release_gradients_early")
     elif getattr(optimizer, "global_clipnorm", None):
@@ -388,7 +395,7 @@ def _early_release_refusal(model) -> str | None:
         reason = (f"under {type(strategy or tf.distribute.get_strategy()).__name__} it "
                   "all-reduces every gradient across replicas in one op; wrap without "
                   "release_gradients_early")
-    elif not hasattr(type(optimizer), _KERAS_GRADIENT_SUM):
+    elif version == KERAS3 and not hasattr(type(optimizer), _KERAS_GRADIENT_SUM):
         reason = (f"this Keras has no {type(optimizer).__name__}.{_KERAS_GRADIENT_SUM}, the "
                   "one-op sum over replicas that the wrapped step skips; wrap without "
                   "release_gradients_early, and please report the Keras version")
@@ -400,14 +407,14 @@ def _early_release_refusal(model) -> str | None:
 def _updates_wait_for_gradients(model, version: str, release_gradients_early: bool) -> bool:
     """Whether the wrapped step builds each weight's update to wait for its own gradient
     (design note "early release"): always with ``release_gradients_early``, and by default
-    where nothing needs all the gradients at once (Keras 3 outside a strategy, no loss
-    scaling, no global clipping, not under XLA, which drops the edges). Otherwise the
-    optimizer holds every weight gradient until the last is done."""
+    where nothing needs all the gradients at once (outside a strategy, no loss scaling, no
+    global clipping or gradient accumulation, not under XLA, which drops the edges).
+    Otherwise the optimizer holds every weight gradient until the last is done."""
     if release_gradients_early:
         return True
-    if version == KERAS2 or getattr(model, "optimizer", None) is None:
+    if getattr(model, "optimizer", None) is None:
         return False
-    return (_early_release_refusal(model) is None
+    return (_early_release_refusal(model, version) is None
             and not ordering.xla_in_effect(tf.compat.v1.get_default_graph()))
 
 
@@ -416,10 +423,10 @@ def _updates_wait_for_gradients(model, version: str, release_gradients_early: bo
 _KERAS_GRADIENT_SUM = "_all_reduce_sum_gradients"
 
 
-def _apply_releasing_early(model, loss, checkpoints, fallback, release_order: bool) -> None:
+def _apply_releasing_early(model, version: str, loss, checkpoints, fallback,
+                           release_order: bool) -> None:
     """Gradients, then the optimizer's updates, each waiting for its own gradient; with
     ``release_order``, also one gradient alive at a time (``optimize.order_updates_early``)."""
-    keras, _ = _import_keras3()
     optimizer = model.optimizer
     variables = list(model.trainable_weights)
     graph = tf.compat.v1.get_default_graph()
@@ -428,12 +435,18 @@ def _apply_releasing_early(model, loss, checkpoints, fallback, release_order: bo
     apply_floor = early_release.last_op_id(graph)
     # Outside a strategy the sum over one replica is the gradients themselves, but Keras builds
     # it as one op over all of them, which would hold every gradient until the last is
-    # complete (what experimental_aggregate_gradients=False skips in tf_keras). Strategies
-    # never get here: release_gradients_early refuses them (_check_early_release) and the
-    # default step takes this path only where _early_release_refusal finds nothing.
-    with _overridden([(optimizer, _KERAS_GRADIENT_SUM, list)]):
-        optimizer.apply_gradients(zip(grads, variables))
-    tf_variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+    # complete. tf_keras skips it when asked (as minimize() asks); Keras 3 has no such
+    # argument, so its sum is replaced for this call. Strategies never get here:
+    # release_gradients_early refuses them (_check_early_release) and the default step takes
+    # this path only where _early_release_refusal finds nothing.
+    if version == KERAS2:
+        optimizer.apply_gradients(zip(grads, variables), experimental_aggregate_gradients=False)
+        tf_variables = variables
+    else:
+        keras, _ = _import_keras3()
+        with _overridden([(optimizer, _KERAS_GRADIENT_SUM, list)]):
+            optimizer.apply_gradients(zip(grads, variables))
+        tf_variables = [v.value if isinstance(v, keras.Variable) else v for v in variables]
     handles = [tf.convert_to_tensor(v.handle) for v in tf_variables]
     optimize.order_updates_early(loss, tf_variables, handles, grads, grad_floor, apply_floor,
                                  type(optimizer).__name__, "memsave_grads.keras",
@@ -471,15 +484,16 @@ def train_step(model, data, checkpoints="memory", fallback: str = "warn",
         inputs, states and outputs (design note "recurrent layers"; docs/recurrent.md). False
         keeps the loops as Keras builds them, and so does a step compiled by XLA
         (``jit_compile``), where the recomputation raised the peak (one warning).
-      release_gradients_early: Keras 3 only: update each weight as soon as its gradient is
-        complete, so one weight gradient is alive at a time, not all of them (design note
-        "early release"); the weights and ``optimizer.iterations`` end as in the stock step.
-        Refused for what needs all gradients at once: ``LossScaleOptimizer``,
-        ``global_clipnorm``, ``gradient_accumulation_steps``, a ``tf.distribute`` strategy.
-        Without it, a Keras 3 step still makes each update wait for its own gradient (no
-        set order) wherever none of those applies and XLA does not compile the step: stock
-        Keras computes momentum and weight-decay terms at the start of the step and holds
-        them through the backward pass.
+      release_gradients_early: update each weight as soon as its gradient is complete, so
+        one weight gradient is alive at a time, not all of them (design note "early
+        release"); the weights and ``optimizer.iterations`` end as in the stock step (Keras
+        3 optimizers, tf_keras' and its legacy ones). Refused for what needs all gradients
+        at once: ``LossScaleOptimizer``, ``global_clipnorm``, ``gradient_accumulation_steps``,
+        a ``tf.distribute`` strategy. Without it, the step still makes each update wait for
+        its own gradient (no set order) wherever none of those applies and XLA does not
+        compile the step: stock Keras computes momentum and weight-decay terms at the start
+        of the step and holds them through the backward pass, and sums the gradients over
+        replicas in one op (even with one replica) that holds them all until the last.
       batch_size: the examples of the batches this step runs, for the plan where the trace
         leaves the batch dimension unknown (``fit`` traces it as None; design note "unknown
         batch size"). None: a calibrated budget's batch size (``calibrate_budget``), else the
@@ -502,7 +516,8 @@ def train_step(model, data, checkpoints="memory", fallback: str = "warn",
         _check_early_release(model, version)
     with tf_graph.assumed_batch_size(_planned_batch_size(model, data, checkpoints, batch_size)):
         if version == KERAS2:
-            return _train_step_keras2(model, data, checkpoints, fallback)
+            return _train_step_keras2(model, data, checkpoints, fallback,
+                                      release_gradients_early)
         return _train_step_keras3(model, data, checkpoints, fallback, recompute_cells,
                                   release_gradients_early)
 
@@ -1038,11 +1053,11 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
         prediction where the step cannot be measured; ``"error"`` raises.
       recompute_cells: Keras 3 recurrent layers recompute inside their loop (default); see
         :func:`train_step`.
-      release_gradients_early: Keras 3: apply each weight's update as soon as its gradient is
+      release_gradients_early: apply each weight's update as soon as its gradient is
         complete (default False); see :func:`train_step`. Checked against the optimizer
         here and again when the step is traced (compiling again may change it). Without it
-        the Keras 3 step still makes each update wait for its own gradient where the
-        optimizer allows (see :func:`train_step`).
+        the step still makes each update wait for its own gradient where the optimizer
+        allows (see :func:`train_step`).
 
     Returns:
       ``model`` itself.

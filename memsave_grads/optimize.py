@@ -205,7 +205,7 @@ def order_updates_early(loss: tf.Tensor, var_list: Sequence, handles: Sequence, 
                         caller: str, release_order: bool = True) -> None:
     """Add the early-release edges to one training step (design note "early release"):
     ``grads`` of ``loss`` were built after op ``grad_floor``, the optimizer's update ops after
-    ``apply_floor``, in the current graph. Shared by :func:`minimize` and Keras 3's
+    ``apply_floor``, in the current graph. Shared by :func:`minimize` and Keras'
     ``wrap_model``: with ``release_gradients_early=True`` all of them, otherwise
     (``release_order=False``) only the edges that keep each update's gradient-free terms and
     writes from running early (``early_release.order_updates``)."""

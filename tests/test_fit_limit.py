@@ -340,12 +340,14 @@ def test_fit_limit_command_finds_a_larger_batch_with_memsave(tmp_path):
 
 
 @pytest.mark.parametrize("name,kwargs", [
-    ("resnet50", {"image_size": 32}), ("transformer_encoder", {"layers": 1, "sequence": 16}),
+    ("resnet50", {"image_size": 32}), ("resnet50_tf_keras", {"image_size": 32}),
+    ("transformer_encoder", {"layers": 1, "sequence": 16}),
     ("gpt_decoder", {"layers": 1, "sequence": 16}), ("lstm", {"steps": 6, "units": 8}),
     ("efficientnet_b0", {"image_size": 32})])
 def test_the_readme_models_build_and_plan(name, kwargs):
     """examples/fit_limit_models.py (the README headline's models), smaller: each builds a
-    compiled Keras 3 model whose training step memsave_grads plans (traced, not run)."""
+    compiled Keras model (3, or tf_keras) whose training step memsave_grads plans (traced, not
+    run)."""
     path = f"{fit_limit.__file__.rsplit('/memsave_grads/', 1)[0]}/examples/fit_limit_models.py"
     model = fit_limit._load_function(f"{path}:{name}")(2, **kwargs)  # pylint: disable=protected-access
     report = mg.explain(model, batch_size=2)

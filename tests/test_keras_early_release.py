@@ -1,9 +1,10 @@
-"""Keras 3 ``wrap_model(model, release_gradients_early=True)`` (design note "early release"):
-each weight is updated as soon as its gradient is complete, so one weight gradient is alive at
-a time; by default each update waits for its own gradient, in no set order. Checked: the
-weights and ``optimizer.iterations`` of stock ``fit`` for SGD with momentum, Adam, AdamW
-(weight decay) and RMSprop, in both steps; measured peaks; and what cannot be ordered (all
-gradients needed at once) refused before anything is traced."""
+"""``wrap_model(model, release_gradients_early=True)`` on Keras 3 and tf_keras (design note
+"early release"): each weight is updated as soon as its gradient is complete, so one weight
+gradient is alive at a time; by default each update waits for its own gradient, in no set
+order. Checked: the weights and ``optimizer.iterations`` of stock ``fit`` for SGD with
+momentum, Adam, AdamW (weight decay), RMSprop and an averaged (``use_ema``) Adam, and tf_keras'
+legacy optimizers, in both steps; measured peaks; and what cannot be ordered (all gradients
+needed at once) refused before anything is traced."""
 
 import numpy as np
 import pytest
@@ -14,35 +15,43 @@ from memsave_grads import measure
 from memsave_grads import keras as mg_keras
 from memsave_grads.keras import wrap_model
 
-from keras_support import fresh_keras, keras3 as keras, tf_keras  # noqa: F401,E402
+from keras_support import FLAVOURS, KERAS, clear_session, fresh_keras  # noqa: F401,E402
+from keras_support import keras3 as keras, tf_keras  # noqa: E402
 
 MIB = measure.MIB
 
 
-def _mlp(optimizer, depth=4, width=32, inputs=16):
-    keras.utils.set_random_seed(0)
-    x = keras.Input((inputs,))
+def _mlp(optimizer, depth=4, width=32, inputs=16, flavour="keras3"):
+    k = KERAS[flavour]
+    k.utils.set_random_seed(0)
+    x = k.Input((inputs,))
     h = x
     for _ in range(depth):
-        h = keras.layers.Dense(width, activation="tanh")(h)
-    model = keras.Model(x, keras.layers.Dense(1)(h))
+        h = k.layers.Dense(width, activation="tanh")(h)
+    model = k.Model(x, k.layers.Dense(1)(h))
     # Not XLA ("auto" is, where a GPU is): XLA drops the ordering edges, and the step then
     # applies the gradients as Keras builds it.
     model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
     return model
 
 
+# Each takes the Keras module: both versions have these optimizers and arguments.
 OPTIMIZERS = {
-    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
-    "adam": lambda: keras.optimizers.Adam(1e-2),
-    "adamw_clipnorm": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.05, clipnorm=1.0),
-    "rmsprop_momentum": lambda: keras.optimizers.RMSprop(1e-3, momentum=0.9),
-    "sgd_global_clipnorm": lambda: keras.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=1.0),
+    "sgd_momentum": lambda k: k.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda k: k.optimizers.Adam(1e-2),
+    "adamw_clipnorm": lambda k: k.optimizers.AdamW(1e-2, weight_decay=0.05, clipnorm=1.0),
+    "rmsprop_momentum": lambda k: k.optimizers.RMSprop(1e-3, momentum=0.9),
+    # Averages every weight after the last update, and overwrites them every third step.
+    "adam_ema": lambda k: k.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=3),
+    "sgd_global_clipnorm": lambda k: k.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=1.0),
+    # tf_keras only: the optimizers before TF 2.11 (OptimizerV2).
+    "legacy_adam": lambda k: k.optimizers.legacy.Adam(1e-2),
+    "legacy_sgd_momentum": lambda k: k.optimizers.legacy.SGD(0.05, momentum=0.9),
 }
 
 
-def _fit(optimizer_name, **wrap_kwargs):
-    model = _mlp(OPTIMIZERS[optimizer_name]())
+def _fit(optimizer_name, flavour="keras3", **wrap_kwargs):
+    model = _mlp(OPTIMIZERS[optimizer_name](KERAS[flavour]), flavour=flavour)
     if wrap_kwargs:
         wrap_model(model, **wrap_kwargs)
     rng = np.random.default_rng(0)
@@ -52,23 +61,34 @@ def _fit(optimizer_name, **wrap_kwargs):
     return model, history.history["loss"]
 
 
-@pytest.mark.parametrize("optimizer_name,checkpoints,early,ordered_as", [
-    ("sgd_momentum", "memory", True, True), ("adam", "memory", True, True),
-    ("adamw_clipnorm", "speed", True, True),
+@pytest.mark.parametrize("optimizer_name,checkpoints,early,ordered_as,flavour", [
+    ("sgd_momentum", "memory", True, True, "keras3"), ("adam", "memory", True, True, "keras3"),
+    ("adamw_clipnorm", "speed", True, True, "keras3"),
+    ("adam_ema", "memory", True, True, "keras3"),
     # The default step: each update waits for its own gradient, in no set order...
-    ("sgd_momentum", "speed", False, False), ("rmsprop_momentum", "memory", False, False),
-    ("adamw_clipnorm", "memory", False, False),
+    ("sgd_momentum", "speed", False, False, "keras3"),
+    ("rmsprop_momentum", "memory", False, False, "keras3"),
+    ("adamw_clipnorm", "memory", False, False, "keras3"),
     # ...except where the optimizer needs every gradient first: Keras' own update then.
-    ("sgd_global_clipnorm", "memory", False, None)])
+    ("sgd_global_clipnorm", "memory", False, None, "keras3"),
+    # tf_keras, both steps, its new and its legacy optimizers.
+    ("sgd_momentum", "memory", True, True, "keras2"), ("adam", "memory", False, False, "keras2"),
+    ("adamw_clipnorm", "speed", True, True, "keras2"),
+    ("adam_ema", "memory", True, True, "keras2"), ("adam_ema", "memory", False, False, "keras2"),
+    ("rmsprop_momentum", "memory", False, False, "keras2"),
+    ("legacy_adam", "memory", True, True, "keras2"),
+    ("legacy_sgd_momentum", "speed", False, False, "keras2"),
+    ("sgd_global_clipnorm", "memory", False, None, "keras2")])
 def test_weights_and_iterations_match_stock_fit(optimizer_name, checkpoints, early, ordered_as,
-                                               monkeypatch):
-    stock, stock_loss = _fit(optimizer_name)
-    keras.backend.clear_session(free_memory=False)
+                                               flavour, monkeypatch):
+    stock, stock_loss = _fit(optimizer_name, flavour)
+    clear_session(KERAS[flavour])
     ordered = []   # the ordered step ran, with the release order only where asked for
     real = mg_keras._apply_releasing_early  # pylint: disable=protected-access
     monkeypatch.setattr(mg_keras, "_apply_releasing_early",
                         lambda *args: ordered.append(args[-1]) or real(*args))
-    ours, loss = _fit(optimizer_name, checkpoints=checkpoints, release_gradients_early=early)
+    ours, loss = _fit(optimizer_name, flavour, checkpoints=checkpoints,
+                      release_gradients_early=early)
     assert set(ordered) == ({ordered_as} if ordered_as is not None else set()), ordered
     assert "_all_reduce_sum_gradients" not in ours.optimizer.__dict__  # put back after the trace
     assert int(ours.optimizer.iterations.numpy()) == int(stock.optimizer.iterations.numpy()) == 8
@@ -78,8 +98,10 @@ def test_weights_and_iterations_match_stock_fit(optimizer_name, checkpoints, ear
                                    err_msg=f"weight {i}")
 
 
-def _peak_mib(**wrap_kwargs):
-    model = _mlp(keras.optimizers.SGD(1e-2, momentum=0.9), depth=6, width=1024, inputs=1024)
+def _peak_mib(flavour, **wrap_kwargs):
+    k = KERAS[flavour]
+    model = _mlp(k.optimizers.SGD(1e-2, momentum=0.9), depth=6, width=1024, inputs=1024,
+                 flavour=flavour)
     if wrap_kwargs:
         wrap_model(model, **wrap_kwargs)
     rng = np.random.default_rng(0)
@@ -91,17 +113,18 @@ def _peak_mib(**wrap_kwargs):
 
 
 @pytest.mark.never_worse
-def test_a_weight_dominated_step_peaks_lower():
+@FLAVOURS
+def test_a_weight_dominated_step_peaks_lower(flavour):
     """Six 1024 x 1024 layers (4 MiB of gradient each, 24 MiB in all) at batch 2, SGD with
-    momentum. Measured (TF 2.21, CPU, 2026-11-23): stock 32.1 MiB (28.1 on another machine),
-    wrapped 16.1 (was 28.1 before the default step ordered the updates), wrapped + early
-    release 8.1 MiB; asserted: at least half of the weight gradients' 24 MiB less, same
-    weights."""
-    stock_mib, stock_weights = _peak_mib()
-    keras.backend.clear_session(free_memory=False)
-    wrapped_mib, wrapped_weights = _peak_mib(checkpoints="memory")
-    keras.backend.clear_session(free_memory=False)
-    early_mib, weights = _peak_mib(release_gradients_early=True)
+    momentum. Measured (TF 2.21, CPU, 2026-11-23; tf_keras 2026-11-25): stock 32.1 MiB (28.1
+    on another machine), wrapped 16.1 (was 28.1 before the default step ordered the updates),
+    wrapped + early release 8.1 MiB, in both Keras versions; asserted: at least half of the
+    weight gradients' 24 MiB less, same weights."""
+    stock_mib, stock_weights = _peak_mib(flavour)
+    clear_session(KERAS[flavour])
+    wrapped_mib, wrapped_weights = _peak_mib(flavour, checkpoints="memory")
+    clear_session(KERAS[flavour])
+    early_mib, weights = _peak_mib(flavour, release_gradients_early=True)
     # The default step: momentum * m waits for each gradient instead of 24 MiB of it being
     # held from the start of the step; early release then also keeps one gradient alive.
     assert wrapped_mib <= 0.6 * stock_mib, (stock_mib, wrapped_mib)
@@ -112,36 +135,42 @@ def test_a_weight_dominated_step_peaks_lower():
             np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * np.abs(e).max())
 
 
-@pytest.mark.parametrize("optimizer,match,remedy", [
+@pytest.mark.parametrize("optimizer,match,remedy,flavour", [
     (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
-     "LossScaleOptimizer, which checks that every gradient is finite", "train in float32"),
+     "LossScaleOptimizer, which checks that every gradient is finite", "train in float32",
+     "keras3"),
     (lambda: keras.optimizers.Adam(global_clipnorm=1.0), "global_clipnorm scales every gradient",
-     "use clipnorm or clipvalue"),
+     "use clipnorm or clipvalue", "keras3"),
     (lambda: keras.optimizers.SGD(gradient_accumulation_steps=2),
-     "gradient_accumulation_steps adds the gradients up", "with a larger batch"),
+     "gradient_accumulation_steps adds the gradients up", "with a larger batch", "keras3"),
+    (lambda: tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD(0.1)),
+     "LossScaleOptimizer, which checks that every gradient is finite", "train in float32",
+     "keras2"),
+    (lambda: tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.legacy.SGD(0.1)),
+     "LossScaleOptimizer, which checks that every gradient is finite", "train in float32",
+     "keras2"),
+    (lambda: tf_keras.optimizers.Adam(global_clipnorm=1.0),
+     "global_clipnorm scales every gradient", "use clipnorm or clipvalue", "keras2"),
 ])
-def test_what_needs_every_gradient_at_once_is_refused(optimizer, match, remedy):
-    model = _mlp(optimizer())
+def test_what_needs_every_gradient_at_once_is_refused(optimizer, match, remedy, flavour):
+    model = _mlp(optimizer(), flavour=flavour)
     with pytest.raises(errors.InvalidArgumentError, match=match) as caught:
         wrap_model(model, release_gradients_early=True)
     assert isinstance(caught.value, ValueError) and remedy in str(caught.value)
     assert "train_step" not in model.__dict__  # nothing wrapped
 
 
-def test_a_model_built_under_a_strategy_is_refused_outside_its_scope():
+@FLAVOURS
+def test_a_model_built_under_a_strategy_is_refused_outside_its_scope(flavour):
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     with strategy.scope():
-        model = _mlp(keras.optimizers.SGD(0.1))
+        model = _mlp(KERAS[flavour].optimizers.SGD(0.1), flavour=flavour)
     with pytest.raises(errors.InvalidArgumentError, match="under OneDeviceStrategy"):
         wrap_model(model, release_gradients_early=True)
     with strategy.scope(), pytest.raises(errors.InvalidArgumentError, match="all-reduces"):
         wrap_model(model, release_gradients_early=True)
 
 
-def test_tf_keras_is_pointed_to_minimize_and_flags_must_be_bools():
-    model = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(3,))])
-    model.compile("sgd", "mse")
-    with pytest.raises(errors.InvalidArgumentError, match="memsave_grads.minimize"):
-        wrap_model(model, release_gradients_early=True)
+def test_flags_must_be_bools():
     with pytest.raises(errors.InvalidTypeError, match="release_gradients_early: expected True"):
         wrap_model(_mlp("sgd"), release_gradients_early=1)
