@@ -399,9 +399,38 @@ def _early_release_refusal(model, version: str) -> str | None:
         reason = (f"this Keras has no {type(optimizer).__name__}.{_KERAS_GRADIENT_SUM}, the "
                   "one-op sum over replicas that the wrapped step skips; wrap without "
                   "release_gradients_early, and please report the Keras version")
+    elif version == KERAS2:
+        reason = _keras2_sum_refusal(optimizer)
     else:
         reason = None
     return reason
+
+
+def _keras2_sum_refusal(optimizer) -> str | None:
+    """Why a tf_keras optimizer's ``apply_gradients`` cannot skip its sum over replicas
+    (``experimental_aggregate_gradients=False``) without changing the step, or None."""
+    tf_keras = _import_tf_keras()
+    new, legacy = tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer
+    cls = type(optimizer)
+    if isinstance(optimizer, new):
+        custom = cls.aggregate_gradients is not new.aggregate_gradients
+    elif isinstance(optimizer, legacy) and getattr(cls, "_HAS_AGGREGATE_GRAD", False):
+        # pylint: disable=protected-access
+        aggregator = getattr(optimizer, "gradient_aggregator", None)
+        custom = (cls._aggregate_gradients is not legacy._aggregate_gradients
+                  or (cls._transform_unaggregated_gradients
+                      is not legacy._transform_unaggregated_gradients)
+                  or getattr(aggregator, "__name__", None) != "all_reduce_sum_gradients")
+        # pylint: enable=protected-access
+    else:  # tf_keras' wrapper of a tf.compat.v1.train optimizer, or an older custom one
+        return (f"its apply_gradients takes no experimental_aggregate_gradients, so it sums "
+                "every gradient in one op; use a tf_keras optimizer (tf_keras.optimizers.* or "
+                "tf_keras.optimizers.legacy.*), or wrap without release_gradients_early")
+    if custom:
+        return ("it aggregates the gradients its own way (aggregate_gradients, "
+                "_aggregate_gradients or gradient_aggregator), which the ordered step would "
+                "skip; wrap without release_gradients_early")
+    return None
 
 
 def _updates_wait_for_gradients(model, version: str, release_gradients_early: bool) -> bool:

@@ -152,9 +152,10 @@ def _peak_of_train_step(keras, wrapped):
 def test_wrapped_train_step_peaks_lower(flavour):
     """One train_on_batch of a 24-block residual MLP (1 MiB per activation), CPU BFC peak.
 
-    Measured (TF 2.21, CPU, several runs): Keras 2 56-59.5 MiB stock vs 20.3-23 MiB wrapped;
-    Keras 3 50.3-53.2 vs 14.3-17.5 MiB. With SGD, Keras 2's peaks (stock and wrapped alike)
-    carry about the size of the weights (6 MiB here) more than Keras 3's.
+    Measured (TF 2.21, CPU, several runs): Keras 2 56-59.5 MiB stock vs 13.3-16.0 MiB wrapped
+    (20.3-23, about the weights' 6 MiB more, until the wrapped tf_keras step skipped Keras'
+    one-op sum over replicas and ordered its updates: design note "early release");
+    Keras 3 50.3-53.2 vs 14.3-17.5 MiB.
     """
     keras = KERAS[flavour]
     plain_mib, plain_loss = _peak_of_train_step(keras, wrapped=False)

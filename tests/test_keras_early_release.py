@@ -41,8 +41,11 @@ OPTIMIZERS = {
     "adam": lambda k: k.optimizers.Adam(1e-2),
     "adamw_clipnorm": lambda k: k.optimizers.AdamW(1e-2, weight_decay=0.05, clipnorm=1.0),
     "rmsprop_momentum": lambda k: k.optimizers.RMSprop(1e-3, momentum=0.9),
-    # Averages every weight after the last update, and overwrites them every third step.
-    "adam_ema": lambda k: k.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=3),
+    # Averages each weight after its update; with the frequency, one op also overwrites every
+    # weight with its average every third step (after the last update).
+    "adam_ema": lambda k: k.optimizers.Adam(1e-2, use_ema=True),
+    "adam_ema_overwrite": lambda k: k.optimizers.Adam(1e-2, use_ema=True,
+                                                      ema_overwrite_frequency=3),
     "sgd_global_clipnorm": lambda k: k.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=1.0),
     # tf_keras only: the optimizers before TF 2.11 (OptimizerV2).
     "legacy_adam": lambda k: k.optimizers.legacy.Adam(1e-2),
@@ -65,6 +68,8 @@ def _fit(optimizer_name, flavour="keras3", **wrap_kwargs):
     ("sgd_momentum", "memory", True, True, "keras3"), ("adam", "memory", True, True, "keras3"),
     ("adamw_clipnorm", "speed", True, True, "keras3"),
     ("adam_ema", "memory", True, True, "keras3"),
+    ("adam_ema_overwrite", "memory", True, True, "keras3"),
+    ("adam_ema_overwrite", "speed", False, False, "keras3"),
     # The default step: each update waits for its own gradient, in no set order...
     ("sgd_momentum", "speed", False, False, "keras3"),
     ("rmsprop_momentum", "memory", False, False, "keras3"),
@@ -74,7 +79,10 @@ def _fit(optimizer_name, flavour="keras3", **wrap_kwargs):
     # tf_keras, both steps, its new and its legacy optimizers.
     ("sgd_momentum", "memory", True, True, "keras2"), ("adam", "memory", False, False, "keras2"),
     ("adamw_clipnorm", "speed", True, True, "keras2"),
-    ("adam_ema", "memory", True, True, "keras2"), ("adam_ema", "memory", False, False, "keras2"),
+    ("adam_ema", "memory", True, True, "keras2"),
+    ("adam_ema_overwrite", "memory", True, True, "keras2"),
+    ("adam_ema_overwrite", "memory", False, False, "keras2"),
+    ("sgd_momentum", "speed", False, False, "keras2"), ("adam", "speed", True, True, "keras2"),
     ("rmsprop_momentum", "memory", False, False, "keras2"),
     ("legacy_adam", "memory", True, True, "keras2"),
     ("legacy_sgd_momentum", "speed", False, False, "keras2"),
@@ -135,6 +143,13 @@ def test_a_weight_dominated_step_peaks_lower(flavour):
             np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * np.abs(e).max())
 
 
+class _SummingSGD(tf_keras.optimizers.SGD):
+    """A tf_keras optimizer with its own aggregation, which the ordered step would skip."""
+
+    def aggregate_gradients(self, grads_and_vars):
+        return [(2.0 * g, v) for g, v in grads_and_vars]
+
+
 @pytest.mark.parametrize("optimizer,match,remedy,flavour", [
     (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
      "LossScaleOptimizer, which checks that every gradient is finite", "train in float32",
@@ -151,6 +166,15 @@ def test_a_weight_dominated_step_peaks_lower(flavour):
      "keras2"),
     (lambda: tf_keras.optimizers.Adam(global_clipnorm=1.0),
      "global_clipnorm scales every gradient", "use clipnorm or clipvalue", "keras2"),
+    (lambda: tf_keras.optimizers.legacy.SGD(0.1, global_clipnorm=1.0),
+     "global_clipnorm scales every gradient", "use clipnorm or clipvalue", "keras2"),
+    # tf_keras' wrapper of a v1 optimizer: its apply_gradients always sums the gradients.
+    (lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1),
+     "takes no experimental_aggregate_gradients", "use a tf_keras optimizer", "keras2"),
+    (lambda: _SummingSGD(0.1), "aggregates the gradients its own way",
+     "wrap without release_gradients_early", "keras2"),
+    (lambda: tf_keras.optimizers.legacy.SGD(0.1, gradient_aggregator=lambda pairs: pairs),
+     "aggregates the gradients its own way", "wrap without release_gradients_early", "keras2"),
 ])
 def test_what_needs_every_gradient_at_once_is_refused(optimizer, match, remedy, flavour):
     model = _mlp(optimizer(), flavour=flavour)
@@ -169,6 +193,32 @@ def test_a_model_built_under_a_strategy_is_refused_outside_its_scope(flavour):
         wrap_model(model, release_gradients_early=True)
     with strategy.scope(), pytest.raises(errors.InvalidArgumentError, match="all-reduces"):
         wrap_model(model, release_gradients_early=True)
+
+
+@pytest.mark.parametrize("optimizer", [
+    lambda: tf.compat.v1.train.GradientDescentOptimizer(0.05),
+    lambda: _SummingSGD(0.05, momentum=0.9)])
+def test_tf_keras_steps_that_cannot_skip_the_sum_train_as_stock(optimizer, monkeypatch):
+    """The default tf_keras step keeps Keras' own update where skipping the sum over replicas
+    would change the step: a v1 optimizer's wrapper has no way to skip it, and a custom
+    aggregation must run."""
+    def fit(wrap):
+        model = _mlp(optimizer(), flavour="keras2")
+        if wrap:
+            wrap_model(model)
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((64, 16)).astype("float32")
+        y = np.sin(x.sum(axis=1, keepdims=True)).astype("float32")
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    stock = fit(False)
+    clear_session(tf_keras)
+    ordered = []
+    monkeypatch.setattr(mg_keras, "_apply_releasing_early", lambda *args: ordered.append(args))
+    for a, e in zip(fit(True), stock):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * np.abs(e).max())
+    assert not ordered
 
 
 def test_flags_must_be_bools():

@@ -218,10 +218,10 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int,
             stats["wait_for_gradient"] += 1
     handles = {id(update.handle) for update in updates}
     for previous, current in zip(updates, updates[1:]) if release_order else ():
-        # Not the ops that take another variable's handle (use_ema's average of every weight
-        # after the last update, in tf_keras and Keras 3): tf.function orders them after that
-        # variable's update with edges it adds when the trace ends, after these, so waiting
-        # for them would close a cycle this walk cannot see.
+        # Not the ops that take another variable's handle (use_ema's overwrite of every weight
+        # with its average, after the last update, in tf_keras and Keras 3): tf.function orders
+        # them after that variable's update with edges it adds when the trace ends, after
+        # these, so waiting for them would close a cycle this walk cannot see.
         sinks = _sinks([op for op in previous.update_ops
                         if not any(id(t) in handles and t is not previous.handle
                                    for t in op.inputs)])
