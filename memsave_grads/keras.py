@@ -309,16 +309,15 @@ def _train_step_keras2(model, data, checkpoints, fallback, release_gradients_ear
     if variables and _updates_wait_for_gradients(model, KERAS2, release_gradients_early):
         _apply_releasing_early(model, KERAS2, loss, checkpoints, fallback,
                                release_gradients_early)
-        return model.compute_metrics(x, y, y_pred, sample_weight)
-    # What optimizer.minimize(loss, variables, tape=tape) does, with our gradients; a
-    # LossScaleOptimizer (Keras 2, legacy or not) scales the loss and unscales the gradients.
-    loss_scaled = hasattr(optimizer, "get_scaled_loss") and hasattr(
-        optimizer, "get_unscaled_gradients")
-    target = optimizer.get_scaled_loss(loss) if loss_scaled else loss
-    grads = _gradients(target, variables, checkpoints, fallback)
-    if loss_scaled:
-        grads = optimizer.get_unscaled_gradients(grads)
-    optimizer.apply_gradients(zip(grads, variables))
+    else:
+        # What optimizer.minimize(loss, variables, tape=tape) does, with our gradients; a
+        # LossScaleOptimizer (legacy or not) scales the loss and unscales the gradients.
+        loss_scaled = _loss_scaled(optimizer, KERAS2)
+        target = optimizer.get_scaled_loss(loss) if loss_scaled else loss
+        grads = _gradients(target, variables, checkpoints, fallback)
+        if loss_scaled:
+            grads = optimizer.get_unscaled_gradients(grads)
+        optimizer.apply_gradients(zip(grads, variables))
     return model.compute_metrics(x, y, y_pred, sample_weight)
 
 
@@ -369,6 +368,7 @@ def _check_early_release(model, version: str) -> None:
 
 
 def _loss_scaled(optimizer, version: str) -> bool:
+    """Whether the optimizer scales the loss (and checks every gradient is finite)."""
     if version == KERAS2:  # tf_keras' LossScaleOptimizer, legacy or not
         return (hasattr(optimizer, "get_scaled_loss")
                 and hasattr(optimizer, "get_unscaled_gradients"))
