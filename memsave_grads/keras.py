@@ -414,7 +414,9 @@ def _keras2_sum_refusal(optimizer) -> str | None:
     cls = type(optimizer)
     if isinstance(optimizer, new):
         custom = cls.aggregate_gradients is not new.aggregate_gradients
-    elif isinstance(optimizer, legacy) and getattr(cls, "_HAS_AGGREGATE_GRAD", False):
+    elif isinstance(optimizer, legacy):
+        # (Not OptimizerV2's _HAS_AGGREGATE_GRAD: tf_keras no longer reads it, and Ftrl or a
+        # user's subclass leave it False while apply_gradients takes the argument all the same.)
         # pylint: disable=protected-access
         aggregator = getattr(optimizer, "gradient_aggregator", None)
         custom = (cls._aggregate_gradients is not legacy._aggregate_gradients

@@ -12,6 +12,7 @@ import tensorflow as tf
 from memsave_grads import errors
 from memsave_grads import measure
 from memsave_grads._tf import early_release
+from memsave_grads._tf import graph as tf_graph
 from memsave_grads.optimize import minimize
 
 MIB = measure.MIB
@@ -102,6 +103,9 @@ def test_tied_weights_train_like_optimizer_minimize():
     # The global norm combines every gradient: the ordering edges would close cycles and are
     # left out (values still right, nothing deadlocks).
     pytest.param(lambda k: k.optimizers.SGD(0.05, global_clipnorm=0.1), id="global_clipnorm"),
+    # Every update reads and writes one shared u_product: tf.function chains the updates in
+    # the order apply_gradients made them, the reverse of the release order.
+    pytest.param(lambda k: k.optimizers.Nadam(0.01), id="nadam"),
 ])
 def test_keras2_optimizer_inside_tf_function(make_opt):
     tf_keras = pytest.importorskip("tf_keras")
@@ -310,3 +314,40 @@ def test_variable_from_another_graph_is_refused(graph):
     with pytest.raises(errors.InvalidArgumentError, match="another graph"):
         minimize(loss, tf.compat.v1.train.GradientDescentOptimizer(0.1), var_list=[w, foreign],
                  checkpoints=None)
+
+
+def test_predicted_automatic_control_edges_are_the_ones_tf_function_adds():
+    """The early-release ordering checks its edges for cycles during the trace, before
+    tf.function adds its automatic control dependencies; ``automatic_control_edges`` predicts
+    those. Read inside a trace, it must name exactly the edges TensorFlow then adds among the
+    same ops: reads after writes, writes after reads, a cond that writes a variable (tf_keras'
+    Nadam), and stateful ops that take no resource."""
+    v, w = tf.Variable(1.0), tf.Variable(2.0)
+    traced = {}
+
+    def body(x):
+        a = v.read_value() * x
+        w.assign(a)
+        b = w.read_value() + v.read_value()
+        v.assign_add(b)
+        tf.print("first")
+        c = tf.cond(x > 0, lambda: w.assign_add(1.0), lambda: tf.identity(w.read_value()))
+        tf.print("second")
+        ops = tf.compat.v1.get_default_graph().get_operations()
+        traced["ops"] = {op.name for op in ops}
+        traced["predicted"] = {(before.name, after.name)
+                               for before, after in tf_graph.automatic_control_edges(ops)}
+        return b + c + w.read_value()
+
+    graph = tf.function(body).get_concrete_function(tf.TensorSpec((), tf.float32)).graph
+    added = {(c.name, op.name) for op in graph.get_operations() if op.name in traced["ops"]
+             for c in op.control_inputs if c.name in traced["ops"]}
+    assert traced["predicted"] == added
+    assert len(added) >= 6, added   # the case really orders something
+
+
+def test_outside_a_function_nothing_is_predicted():
+    with tf.Graph().as_default() as graph:
+        v = tf.compat.v1.Variable(1.0, use_resource=True)
+        v.assign_add(v.read_value())
+        assert tf_graph.automatic_control_edges(graph.get_operations()) == []

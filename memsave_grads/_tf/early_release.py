@@ -131,22 +131,40 @@ def _sinks(ops: Sequence[tf.Operation]) -> list[tf.Operation]:
             if not any(c in members for t in op.outputs for c in t.consumers())]
 
 
-def _ancestors(ops: Iterable[tf.Operation], floor: int) -> set:
-    """Ops newer than ``floor`` that ``ops`` depend on (data or control), ``ops`` included.
+class _Dependencies:
+    """Who waits for whom among the ops newer than ``floor`` (made by this ``minimize`` call):
+    data and control edges as the graph has them now, plus the edges a ``tf.function``'s
+    automatic control dependencies will add when its trace ends
+    (``tf_graph.automatic_control_edges``), which the graph does not show yet.
 
     Ops at or below ``floor`` existed before the ``minimize`` call; none of them was given new
-    inputs, so they cannot depend on newer ops and the walk stops there.
+    inputs, so they cannot depend on newer ops and the walks stop there.
     """
-    return set(tf_graph.walk(ops, tf_graph.dependency_ops, include=_newer_than(floor)))
 
+    def __init__(self, graph: tf.Graph, floor: int):
+        self._newer = _newer_than(floor)
+        self._before: dict = {}  # op -> ops it will wait for
+        self._after: dict = {}   # op -> ops that will wait for it
+        for before, after in tf_graph.automatic_control_edges(
+                op for op in graph.get_operations() if self._newer(op)):
+            self._before.setdefault(after, []).append(before)
+            self._after.setdefault(before, []).append(after)
 
-def _descendants(ops: Iterable[tf.Operation], floor: int) -> set:
-    """Ops newer than ``floor`` that depend on ``ops`` (data or control), ``ops`` included:
-    one walk downstream answers "does this op depend on one of ``ops``" for many ops at once,
-    where :func:`_ancestors` walks upstream from each (seconds on Keras 3 ResNet50)."""
-    return set(tf_graph.walk(
-        ops, lambda op: tf_graph.consumer_ops(op) + list(op._control_outputs),  # pylint: disable=protected-access
-        include=_newer_than(floor)))
+    def ancestors(self, ops: Iterable[tf.Operation]) -> set:
+        """The newer ops that ``ops`` depend on, ``ops`` included."""
+        return set(tf_graph.walk(
+            ops, lambda op: tf_graph.dependency_ops(op) + self._before.get(op, []),
+            include=self._newer))
+
+    def descendants(self, ops: Iterable[tf.Operation]) -> set:
+        """The newer ops that depend on ``ops``, ``ops`` included: one walk downstream answers
+        "does this op depend on one of ``ops``" for many ops at once, where :meth:`ancestors`
+        walks upstream from each (seconds on Keras 3 ResNet50)."""
+        return set(tf_graph.walk(
+            ops, lambda op: (tf_graph.consumer_ops(op)
+                             + list(op._control_outputs)  # pylint: disable=protected-access
+                             + self._after.get(op, [])),
+            include=self._newer))
 
 
 def _add_control_inputs(op: tf.Operation, deps: Sequence[tf.Operation]) -> None:
@@ -180,11 +198,15 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int,
 
     An edge that would close a cycle (its source depends on the op that would wait, e.g. a
     weight used by two layers, gamma and beta from one batch-norm gradient op, or gradients
-    clipped by their global norm) is skipped and counted; values stay right, the step only
-    saves less.
+    clipped by their global norm), counting the edges tf.function will add when its trace
+    ends (``tf_graph.automatic_control_edges``), is skipped and counted; values stay right,
+    the step only saves less. Release edges are added before waits for the gradient.
     """
     stats = {"read_before_write": 0, "release_before_allocate": 0, "wait_for_gradient": 0,
              "skipped_cycles": 0}
+    if not updates:
+        return stats
+    dependencies = _Dependencies(updates[0].handle.graph, grad_floor)
     for update in updates:
         # The ops taking the handle other than reads: the assignments, fused apply kernels,
         # or a function call that does the update.
@@ -194,7 +216,7 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int,
         writer_set = set(writers)
         # Edges into the writers do not change what depends on them, so one walk serves all
         # of this variable's readers.
-        after_writers = _descendants(writers, grad_floor)
+        after_writers = dependencies.descendants(writers)
         for reader in update.readers:
             if reader in writer_set:
                 continue
@@ -204,30 +226,18 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int,
             for writer in writers:
                 _add_control_inputs(writer, [reader])
             stats["read_before_write"] += 1
-    for update in updates:
-        if not update.producers or not update.early_roots:
-            continue
-        producers = set(update.producers)
-        for root in update.early_roots:
-            # Walked from the root, not back from the producers: a root's descendants are a
-            # few update ops, the producers' ancestors the backward pass.
-            if producers & _descendants([root], grad_floor):
-                stats["skipped_cycles"] += 1
-                continue
-            _add_control_inputs(root, update.producers)
-            stats["wait_for_gradient"] += 1
     handles = {id(update.handle) for update in updates}
     for previous, current in zip(updates, updates[1:]) if release_order else ():
         # Not the ops that take another variable's handle (use_ema's overwrite of every weight
-        # with its average, after the last update, in tf_keras and Keras 3): tf.function orders
-        # them after that variable's update with edges it adds when the trace ends, after
-        # these, so waiting for them would close a cycle this walk cannot see.
+        # with its average, after the last update, in tf_keras and Keras 3): the automatic
+        # control dependencies run them after every variable's update, so the next gradient
+        # would wait for all of them.
         sinks = _sinks([op for op in previous.update_ops
                         if not any(id(t) in handles and t is not previous.handle
                                    for t in op.inputs)])
         if not sinks or not current.producers:
             continue
-        upstream = _ancestors(sinks, grad_floor)
+        upstream = dependencies.ancestors(sinks)
         for producer in current.producers:
             if producer in upstream:
                 stats["skipped_cycles"] += 1
@@ -236,4 +246,21 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int,
                 continue
             _add_control_inputs(producer, sinks)
             stats["release_before_allocate"] += 1
+    # After the release edges: where the two kinds conflict, it is through optimizer state
+    # that every update shares, which tf.function's automatic control dependencies chain in
+    # the order apply_gradients made the updates, the reverse of the release order (tf_keras'
+    # Nadam and its u_product). The terms that would wait there are scalars; a release edge
+    # is a weight gradient.
+    for update in updates:
+        if not update.producers or not update.early_roots:
+            continue
+        producers = set(update.producers)
+        for root in update.early_roots:
+            # Walked from the root, not back from the producers: a root's descendants are a
+            # few update ops, the producers' ancestors the backward pass.
+            if producers & dependencies.descendants([root]):
+                stats["skipped_cycles"] += 1
+                continue
+            _add_control_inputs(root, update.producers)
+            stats["wait_for_gradient"] += 1
     return stats

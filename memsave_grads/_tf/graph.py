@@ -8,11 +8,13 @@ TensorFlow-free :class:`ForwardGraph`. Anything private we depend on is named he
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 from typing import Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
 
 import tensorflow as tf
+from tensorflow.python.framework import auto_control_deps
 from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
@@ -223,6 +225,53 @@ def crossing_captures(ys: Sequence[tf.Tensor], outer_xs: Sequence[tf.Tensor],
     found = [op.outputs[0] for op in upstream
              if op.type == "Placeholder" and carries_x_out(op.outputs[0])]
     return sorted(found, key=lambda t: creation_index(t.op))
+
+
+def automatic_control_edges(ops: Iterable[tf.Operation]) -> list[tuple[tf.Operation, tf.Operation]]:
+    """The control edges ``(before, after)`` that a ``tf.function``'s automatic control
+    dependencies will add among ``ops`` when its trace ends: in creation order, an op that
+    writes a resource waits for the last write and the reads since, a read waits for the last
+    write, and stateful ops that take no resource run one after another.
+
+    A walk of the graph as it is during the trace does not see these edges, yet they exist
+    when the function runs: an edge of ours that looks safe can close a cycle with them
+    (tf_keras' ``Nadam``: every variable's update reads and writes one shared ``u_product``,
+    so the updates are chained in the order ``apply_gradients`` made them, whatever order we
+    ask for). Outside a function graph nothing adds them: ``[]``. Emulates
+    ``AutomaticControlDependencies`` (its resource resolvers included) except TF1 control
+    flow (Switch/Merge), which a TF2 trace does not build.
+    """
+    ops = sorted(ops, key=creation_index)
+    if not ops or not is_function_graph(ops[0].graph):
+        return []
+    last_write: dict = {}
+    reads_since_write: dict = collections.defaultdict(list)
+    edges = []
+    for op in ops:
+        if (uses_v1_control_flow(op)
+                or op.type in auto_control_deps.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS):
+            continue
+        touched = set()
+        # pylint: disable-next=protected-access
+        for handle, kind in auto_control_deps._get_resource_inputs(op):
+            key = handle.ref()
+            if key in touched:
+                continue
+            touched.add(key)
+            if key in last_write:
+                edges.append((last_write[key], op))
+            if kind == auto_control_deps.ResourceType.READ_ONLY:
+                reads_since_write[key].append(op)
+            else:
+                edges.extend((read, op) for read in reads_since_write.pop(key, ()))
+                last_write[key] = op
+        # pylint: disable-next=protected-access
+        if (not touched and auto_control_deps.op_is_stateful(op)
+                and op._control_flow_context is None):
+            if None in last_write:
+                edges.append((last_write[None], op))
+            last_write[None] = op
+    return [(before, after) for before, after in edges if before is not after]
 
 
 def is_function_graph(graph) -> bool:
