@@ -150,7 +150,15 @@ def _writable_path(text: str) -> str:
     return text
 
 
+#: What matplotlib writes with ``savefig`` by the file's name (a subset it always has).
+PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
+
+
 def _plot_path(text: str) -> str:
+    if not text.lower().endswith(PLOT_SUFFIXES):
+        raise argparse.ArgumentTypeError(
+            f"expected a file name ending in {', '.join(PLOT_SUFFIXES)} (the image format), "
+            f"got {text!r}")
     if importlib.util.find_spec("matplotlib") is None:
         raise argparse.ArgumentTypeError(
             f"writing the plot {text!r} needs matplotlib, which is not installed: pip install "
@@ -464,11 +472,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.command_parsers[args.command].error(
             f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "fit-limit" and args.start > args.max:
+        parser.command_parsers[args.command].error(
+            f"argument --start: expected at most --max ({args.max}), got {args.start}")
     _prepare_environment()
     _import_tensorflow()
     _start_logging()
+    from memsave_grads import errors  # pylint: disable=import-outside-toplevel
     from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
-    return commands.COMMANDS[args.command](args)
+    try:
+        return commands.COMMANDS[args.command](args)
+    except errors.MemsaveGradsError as e:  # bad input found once it was loaded: a usage error
+        parser.command_parsers[args.command].error(str(e))
 
 
 def run() -> int:

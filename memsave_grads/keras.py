@@ -135,17 +135,35 @@ def _stock_train_step(version: str):
     return trainer.TensorFlowTrainer.train_step
 
 
+def _check_compiled(model, version: str, action: str) -> None:
+    if not _is_compiled(model, version):
+        keeps = "; compiling again later keeps the wrapping" if action == "wrap_model" else ""
+        raise errors.InvalidArgumentError(
+            f"model: {action}: the model is not compiled (no optimizer yet). Call "
+            f"model.compile(optimizer=..., loss=...) first{keeps}.")
+
+
+def check_trainable(model, version: str, action: str) -> None:
+    """What a training step to plan or measure needs from a Keras model (``explain``,
+    ``fit-limit``): compiled, with weights to train. Our errors, raised before anything is
+    traced, naming ``action``. (``wrap_model`` accepts a frozen model: its layers may be
+    unfrozen and the model compiled again later.)"""
+    _check_compiled(model, version, action)
+    if not model.trainable_weights:
+        raise errors.InvalidArgumentError(
+            f"model: {action}: {getattr(model, 'name', 'the model')!r} has no trainable "
+            f"weights ({len(model.weights)} weights, all frozen or none), so a training step "
+            "computes no gradient: nothing to plan or save. Set trainable=True on the layers to "
+            "train.")
+
+
 def _check_model(model, version: str, action: str) -> None:
     if version == KERAS2 and any(".training_v1" in m for m in _class_modules(model)):
         raise errors.InvalidArgumentError(
             f"model: {action}: this tf_keras model was built in a TF1 (v1) graph, where Keras "
             "trains with tf.gradients and no train_step: use `with memsave_grads.patch("
             "'memory'): model.fit(...)` there instead.")
-    if not _is_compiled(model, version):
-        raise errors.InvalidArgumentError(
-            f"model: {action}: the model is not compiled (no optimizer yet). Call "
-            "model.compile(optimizer=..., loss=...) first; compiling again later keeps the "
-            "wrapping.")
+    _check_compiled(model, version, action)
     if model.run_eagerly:
         raise errors.InvalidArgumentError(
             f"model: {action}: the model runs eagerly (run_eagerly=True, a dynamic model, or "
@@ -1292,6 +1310,7 @@ def trace_training_step(model, on_loss, batch_size: int = 32,
     callback keeps this module from importing the explainer (which imports it).
     """
     version = keras_version(model)
+    check_trainable(model, version, "explain")
     if data is None:
         x_specs, y_specs = batch_specs(model, batch_size, sequence_length)
         x_specs = x_specs[0] if len(x_specs) == 1 else x_specs

@@ -384,3 +384,137 @@ def test_a_try_with_early_release_wraps_the_model_so(monkeypatch):
                         "release_gradients_early": True}]
     step = dict(request, source=f"{MODELS}:tanh_chain_step")
     assert "Keras models only" in fit_limit._try_here(step)["error"]  # pylint: disable=protected-access
+
+
+_BAD_MODELS = '''
+import keras
+
+
+def _dense():
+    inputs = keras.Input((8,))
+    return keras.Model(inputs, keras.layers.Dense(2)(inputs))
+
+
+def not_a_model(batch_size):
+    return 42
+
+
+def uncompiled(batch_size):
+    return _dense()
+
+
+def frozen(batch_size):
+    model = _dense()
+    model.trainable = False
+    model.compile("sgd", "mse")
+    return model
+
+
+def broken(batch_size):
+    raise RuntimeError("a bug in the user's builder, said in full " + "x" * 200)
+'''
+
+
+@pytest.mark.parametrize("name,match", [
+    ("not_a_model", "InvalidTypeError: model: expected a Keras Model .* got builtins.int: 42"),
+    ("uncompiled", "the model is not compiled .* Call model.compile"),
+    ("frozen", "has no trainable weights .* Set trainable=True"),
+    ("broken", "RuntimeError: a bug in the user's builder, said in full x{200}"),
+    ("missing", "has no attribute 'missing'")])
+def test_a_model_that_cannot_train_is_one_usage_error_before_any_try(name, match, tmp_path,
+                                                                       monkeypatch, capsys):
+    """fit-limit builds the model once (in a fresh process) before searching: a model that
+    cannot train at all is one error, whole, exit status 2, not every method's row."""
+    from memsave_grads import cli  # pylint: disable=import-outside-toplevel
+    source = tmp_path / "user_models.py"
+    source.write_text(_BAD_MODELS)
+    monkeypatch.setattr(fit_limit, "attempt", lambda *a, **k: pytest.fail("a try was run"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit-limit", f"{source}:{name}", "--limit-mib", "64"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "fit-limit: error: argument MODEL: building" in err
+    assert __import__("re").search(match, err), err
+
+
+def test_explain_of_a_model_that_cannot_train_is_a_usage_error(tmp_path, capsys):
+    from memsave_grads import cli  # pylint: disable=import-outside-toplevel
+    source = tmp_path / "user_models.py"
+    source.write_text(_BAD_MODELS)
+    for name, match in [("frozen", "no trainable weights"), ("broken", "RuntimeError: a bug"),
+                        ("uncompiled", "not compiled"), ("nowhere", "has no attribute")]:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["explain", "--model", f"{source}:{name}", "--batch", "4"])
+        assert exit_info.value.code == 2
+        assert match in capsys.readouterr().err
+
+
+def test_explain_refuses_a_model_that_cannot_train():
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    with pytest.raises(mg.InvalidArgumentError, match="explain: the model is not compiled"):
+        mg.explain(model, batch_size=4)
+    model.trainable = False
+    model.compile("sgd", "mse")
+    with pytest.raises(mg.InvalidArgumentError, match="explain: .* has no trainable weights"):
+        mg.explain(model, batch_size=4)
+
+
+def test_h5_files_load_with_the_keras_that_can_train_them(tmp_path):
+    """An .h5 tf_keras saved loads with tf_keras; one Keras 3 saved is refused with the remedy
+    (Keras 3.15's legacy loader builds the optimizer for other variables: the first step fails
+    with 'Unknown variable')."""
+    tf_keras = pytest.importorskip("tf_keras")
+    inputs = tf_keras.Input((8,))
+    old = tf_keras.Model(inputs, tf_keras.layers.Dense(2)(inputs))
+    old.compile("sgd", "mse")
+    old.save(tmp_path / "old.h5")
+    assert fit_limit.describe_source(str(tmp_path / "old.h5")) == "tf_keras h5"
+    kind, model, (x, y) = fit_limit.build(str(tmp_path / "old.h5"), 4)
+    assert kind == "keras" and x.shape == (4, 8)
+    model.train_on_batch(x, y)
+    inputs = keras.Input((8,))
+    new = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    new.compile("sgd", "mse")
+    new.save(tmp_path / "new.h5")
+    with pytest.raises(ValueError, match=r"saved by Keras 3.* model.save\('model.keras'\)"):
+        fit_limit.describe_source(str(tmp_path / "new.h5"))
+    with pytest.raises(ValueError, match="does not exist"):
+        fit_limit.describe_source(str(tmp_path / "missing.keras"))
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--plot", "fit.txt"], "--plot: expected a file name ending in .png"),
+    (["--start", "64", "--max", "8"], "--start: expected at most --max"),
+])
+def test_fit_limit_flags_that_contradict_are_usage_errors(flags, match, capsys):
+    from memsave_grads import cli  # pylint: disable=import-outside-toplevel
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit-limit", f"{MODELS}:residual_mlp", "--limit-mib", "64", *flags])
+    assert exit_info.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_methods_the_model_cannot_have_are_refused_before_any_try(monkeypatch, capsys):
+    """--keras-remat is Keras 3's, early release is for Keras models: asked for a training step
+    function, the command says so instead of reporting a failed row."""
+    from memsave_grads import cli  # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(fit_limit, "attempt", lambda *a, **k: pytest.fail("a try was run"))
+    monkeypatch.setattr(fit_limit, "check", lambda *a, **k: {"kind": "step"})
+    for flag in ("--keras-remat", "--release-gradients-early"):
+        with pytest.raises(SystemExit):
+            cli.main(["fit-limit", f"{MODELS}:tanh_chain_step", "--limit-mib", "64", flag])
+        assert f"argument {flag}: " in capsys.readouterr().err
+    monkeypatch.setattr(fit_limit, "check",
+                        lambda *a, **k: {"kind": "keras", "keras": mg.keras.KERAS2})
+    with pytest.raises(SystemExit):
+        cli.main(["fit-limit", f"{MODELS}:residual_mlp", "--limit-mib", "64", "--keras-remat"])
+    assert "keras.RematScope is Keras 3's" in capsys.readouterr().err
+
+
+def test_the_table_says_per_position_where_the_sequence_varies():
+    search = fit_limit.Search("tf.gradients", [fit_limit.Attempt(
+        "tf.gradients", 64, True, peak_bytes=2**20, step_seconds=0.64)])
+    table = fit_limit.table([search], "sequence length", 100)
+    assert "ms per position" in table and "ms per sample" not in table
+    assert "| 10.0 |" in table   # 640 ms over 64 positions

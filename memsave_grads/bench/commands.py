@@ -17,6 +17,8 @@ import tensorflow as tf
 from absl import logging
 
 from memsave_grads import _explain as explain_lib
+from memsave_grads import errors
+from memsave_grads import keras as mg_keras
 from memsave_grads import measure
 from memsave_grads.bench import fit_limit
 from memsave_grads.bench import harness
@@ -187,12 +189,19 @@ def _plot_scaling(points, path: str) -> None:
 def explain(args: argparse.Namespace) -> int:
     """``explain``: print the plan of each selected model (graphs only), or of --model."""
     if args.model:
-        kind, model, _ = fit_limit.build(args.model, args.batch, args.sequence_length)
+        try:
+            kind, model, _ = fit_limit.build(args.model, args.batch, args.sequence_length)
+        except errors.MemsaveGradsError:
+            raise
+        except Exception as e:  # pylint: disable=broad-except  # the user's code, reported whole
+            raise errors.InvalidArgumentError(
+                f"argument --model: building {args.model} failed: {type(e).__name__}: "
+                f"{' '.join(str(e).split())}") from None
         if kind != "keras":
-            logging.error("explain --model needs a Keras model; %s returned a training step. "
-                          "Call memsave_grads.explain(loss, variables) inside the step "
-                          "instead.", args.model)
-            return 1
+            raise errors.InvalidArgumentError(
+                f"argument --model: explain --model needs a Keras model; {args.model} returned "
+                "a training step. Call memsave_grads.explain(loss, variables) inside the step "
+                "instead.")
         report = explain_lib.explain(model, checkpoints=args.checkpoints,
                                      batch_size=args.batch,
                                      sequence_length=args.sequence_length)
@@ -272,6 +281,32 @@ def _log_try(attempt: fit_limit.Attempt, index: int, dimension: str) -> None:
                  outcome)
 
 
+def _check_fit_limit_model(args: argparse.Namespace) -> None:
+    """The model argument built once, before any try: a model that cannot train, or a method
+    it cannot have, is our error (the command line prints it as a usage error), not every
+    method's failure in the table."""
+    start_batch = args.start if args.vary == "batch" else args.batch
+    try:
+        built = fit_limit.check(args.model, start_batch,
+                                None if args.vary == "batch" else args.start)
+    except ValueError as e:
+        raise errors.InvalidArgumentError(f"argument MODEL: {e}") from None
+    if built["kind"] == "step":
+        if args.keras_remat:
+            raise errors.InvalidArgumentError(
+                f"argument --keras-remat: keras.RematScope applies to Keras 3 models; "
+                f"{args.model} returned a training step. Leave the flag out.")
+        if args.release_gradients_early:
+            raise errors.InvalidArgumentError(
+                f"argument --release-gradients-early: applies to Keras models; {args.model} "
+                "returned a training step, which releases its gradients early if it calls "
+                "memsave_grads.minimize. Leave the flag out.")
+    elif args.keras_remat and built["keras"] != mg_keras.KERAS3:
+        raise errors.InvalidArgumentError(
+            f"argument --keras-remat: keras.RematScope is Keras 3's; {args.model} is a "
+            f"{built['keras']} model, which it would leave as it is. Leave the flag out.")
+
+
 def fit_limit_command(args: argparse.Namespace) -> int:
     """``fit-limit``: the largest size per method under the limit; table (+ PNG)."""
     methods = [fit_limit.PLAIN, *args.checkpoints]
@@ -280,6 +315,7 @@ def fit_limit_command(args: argparse.Namespace) -> int:
     if args.keras_remat:
         methods.append(fit_limit.KERAS_REMAT)
     dimension = "batch" if args.vary == "batch" else "sequence length"
+    _check_fit_limit_model(args)
     searches = []
     for method in methods:
         logging.info("%s: searching from %s %d ...", method, dimension, args.start)

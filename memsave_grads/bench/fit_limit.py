@@ -14,8 +14,9 @@ bisects between the last size that fit and the first that did not.
 
 What a model is (:func:`describe_source`):
 
-- a ``.keras`` (or ``.h5``) file saved after ``compile()``: Keras 3 loads it;
-- a SavedModel folder written by tf_keras ``model.save(folder)``: tf_keras loads it;
+- a ``.keras`` file saved after ``compile()``: Keras 3 loads it;
+- a SavedModel folder written by tf_keras ``model.save(folder)``, or an ``.h5`` file tf_keras
+  saved: tf_keras loads it (an ``.h5`` that Keras 3 saved is refused: see :func:`_h5_kind`);
 - ``module:function`` or ``path/to/file.py:function``: called as ``function(batch_size)``
   (with ``--vary sequence``: ``function(batch_size, sequence_length)``), it returns a compiled
   Keras model (its data is made up from its input and output shapes, see
@@ -74,7 +75,9 @@ class Attempt:
     tries: int = 1
 
     @property
-    def seconds_per_sample(self) -> float | None:
+    def seconds_per_unit(self) -> float | None:
+        """The step's seconds over its size: per example where the batch varies, per
+        position where the sequence length does."""
         return None if self.step_seconds is None else self.step_seconds / self.size
 
 
@@ -103,10 +106,14 @@ class Search:
 # --------------------------------------------------------------------------------------------
 
 def describe_source(source: str) -> str:
-    """``"keras file"``, ``"saved model"`` or ``"function"``; ValueError saying what a model
-    argument may be, for anything else."""
-    if os.path.isfile(source) and source.endswith((".keras", ".h5")):
+    """``"keras file"``, ``"tf_keras h5"``, ``"saved model"`` or ``"function"``; ValueError
+    saying what a model argument may be, for anything else."""
+    if source.endswith((".keras", ".h5")) and not os.path.isfile(source):
+        raise ValueError(f"{source} does not exist (or is not a file)")
+    if os.path.isfile(source) and source.endswith(".keras"):
         return "keras file"
+    if os.path.isfile(source) and source.endswith(".h5"):
+        return _h5_kind(source)
     if os.path.isdir(source) and os.path.isfile(os.path.join(source, "saved_model.pb")):
         return "saved model"
     module, sep, function = source.rpartition(":")
@@ -120,6 +127,28 @@ def describe_source(source: str) -> str:
     raise ValueError(
         f"expected a .keras/.h5 file, a SavedModel folder (saved by tf_keras), or "
         f"module:function / path/to/file.py:function returning a model; got {source!r}")
+
+
+def _h5_kind(path: str) -> str:
+    """``"tf_keras h5"`` for an HDF5 model tf_keras saved; ValueError with the remedy for one
+    Keras 3 saved (its legacy loader builds the optimizer for other variables, and the first
+    step fails with 'Unknown variable': seen with Keras 3.15) or for no saved model at all."""
+    import h5py  # pylint: disable=import-outside-toplevel  # TensorFlow's dependency
+    try:
+        with h5py.File(path, "r") as file:
+            version = file.attrs.get("keras_version")
+    except OSError as e:
+        raise ValueError(f"{path} is not an HDF5 file h5py can read ({e})") from None
+    version = version.decode() if isinstance(version, bytes) else version
+    if version is None:
+        raise ValueError(f"{path} holds no Keras model (no keras_version attribute: weights "
+                         "only?); save the whole model with model.save('model.keras')")
+    if not str(version).startswith("2."):
+        raise ValueError(
+            f"{path} was saved by Keras {version} in the legacy HDF5 format, whose loaded "
+            "optimizer cannot train the loaded model ('Unknown variable'); save it as a .keras "
+            "file instead: model.save('model.keras')")
+    return "tf_keras h5"
 
 
 def _load_function(source: str) -> Callable:
@@ -163,7 +192,7 @@ def build(source: str, batch: int, sequence: int | None = None):
     if kind == "keras file":
         import keras  # pylint: disable=import-outside-toplevel
         built = keras.saving.load_model(source)
-    elif kind == "saved model":
+    elif kind in ("saved model", "tf_keras h5"):
         import tf_keras  # pylint: disable=import-outside-toplevel
         built = tf_keras.models.load_model(source)
     else:
@@ -207,8 +236,41 @@ def _error_line(error: Exception) -> str:
     return lines[0] if lines else ""
 
 
+def _check_here(request: dict) -> dict:
+    """The child's side of :func:`check`: build once, uncapped, and say what was built."""
+    try:
+        kind, target, _ = build(request["source"], request["batch_size"],
+                                request.get("sequence_length"))
+        if kind == "step":
+            return {"kind": "step"}
+        from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
+        version = keras_lib.keras_version(target)
+        keras_lib.check_trainable(target, version, "fit-limit")
+        return {"kind": "keras", "keras": version}
+    except Exception as e:  # pylint: disable=broad-except  # the user's model, reported whole
+        return {"error": f"{type(e).__name__}: {' '.join(str(e).split())}"}
+
+
+def check(source: str, batch_size: int, sequence_length: int | None = None,
+          timeout_s: float = 1800) -> dict:
+    """Build the model argument once in a fresh process before any try, so that a model that
+    cannot train at all is reported once, whole, instead of as every method's failure:
+    ``{"kind": "step"}`` or ``{"kind": "keras", "keras": KERAS2 or KERAS3}`` (of
+    :mod:`memsave_grads.keras`); ValueError with the loader's or our error otherwise."""
+    outcome = child.run(__name__, {"check": True, "source": source, "batch_size": batch_size,
+                                   "sequence_length": sequence_length}, timeout_s=timeout_s)
+    if outcome.result is None:
+        raise ValueError(f"building {source} failed: {outcome.last_error_line()}")
+    if "error" in outcome.result:
+        raise ValueError(f"building {source} failed: {outcome.result['error']}")
+    return outcome.result
+
+
 def _try_here(request: dict) -> dict:
-    """The child's side of :func:`attempt`: build, trace, measure; a dict of the result."""
+    """The child's side of :func:`attempt` (build, trace, measure; a dict of the result), and
+    of :func:`check`."""
+    if request.get("check"):
+        return _check_here(request)
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import memsave_grads as mg  # pylint: disable=import-outside-toplevel
     _cap_allocator(request["limit_mib"], request.get("reserve_limit", False))
@@ -402,6 +464,7 @@ def progress_line(attempt_: Attempt, dimension: str) -> str:
 def table(searches: Sequence[Search], dimension: str, limit_mib: int) -> str:
     """One row per method: the largest size that fit (in every try), against tf.gradients'."""
     reference = next((s.largest for s in searches if s.method == PLAIN), None)
+    unit = "sample" if dimension == "batch" else "position"   # Attempt.seconds_per_unit
     rows = []
     for s in searches:
         best = s.largest
@@ -412,14 +475,14 @@ def table(searches: Sequence[Search], dimension: str, limit_mib: int) -> str:
             continue
         ratio = "-" if reference is None else f"{best.size / reference.size:.2f}x"
         time_ratio = "-" if reference is None else (
-            f"{best.seconds_per_sample / reference.seconds_per_sample:.2f}x")
+            f"{best.seconds_per_unit / reference.seconds_per_unit:.2f}x")
         topped = not any(not a.fits for a in s.attempts)
         rows.append([s.method, f"{'>= ' if topped else ''}{best.size}", ratio,
-                     tables.number(best.seconds_per_sample * 1e3), time_ratio,
+                     tables.number(best.seconds_per_unit * 1e3), time_ratio,
                      tables.number(best.peak_bytes / measure.MIB), s.failure[:80]])
     return tables.markdown_table(
-        ["method", f"largest {dimension}", f"vs {PLAIN}", "ms per sample",
-         "time per sample ratio", f"peak MiB (limit {limit_mib})", "note"],
+        ["method", f"largest {dimension}", f"vs {PLAIN}", f"ms per {unit}",
+         f"time per {unit} ratio", f"peak MiB (limit {limit_mib})", "note"],
         "lrrrrrl", rows)
 
 
@@ -428,7 +491,8 @@ TABLE_NOTES = (
     f"{CPU_LIMIT_ENV}; GPU: a logical device's memory_limit); it fits when one traced step "
     "and the measured steps ran without running out of memory. largest: the largest size that "
     "fit (the search doubles, then bisects to within 1/16); '>=' where it still fit at "
-    "--max. ms per sample: the median measured step at that size over its examples. peak: "
+    "--max. ms per sample (or position, where the sequence length varies): the median "
+    "measured step at that size over its examples (or positions). peak: "
     "the allocator's peak during a measured step, weights and optimizer state included. With "
     "--tries K a size fits only if each of K fresh processes fit it (peak: the largest of "
     "theirs; time: their median).")
