@@ -472,6 +472,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.command_parsers[args.command].error(
             f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "explain" and args.model and args.models:
+        parser.command_parsers[args.command].error(
+            "argument --models: explains the benchmark networks; with --model (a model of "
+            f"yours) leave it out, got --models {','.join(args.models)}")
     if args.command == "fit-limit" and args.start > args.max:
         parser.command_parsers[args.command].error(
             f"argument --start: expected at most --max ({args.max}), got {args.start}")

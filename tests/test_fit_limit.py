@@ -518,3 +518,20 @@ def test_the_table_says_per_position_where_the_sequence_varies():
     table = fit_limit.table([search], "sequence length", 100)
     assert "ms per position" in table and "ms per sample" not in table
     assert "| 10.0 |" in table   # 640 ms over 64 positions
+
+
+def test_explain_model_with_benchmark_models_is_a_usage_error(capsys):
+    from memsave_grads import cli  # pylint: disable=import-outside-toplevel
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["explain", "--model", f"{MODELS}:residual_mlp", "--models", "unet"])
+    assert exit_info.value.code == 2
+    assert "argument --models: explains the benchmark networks" in capsys.readouterr().err
+
+
+def test_the_largest_size_says_where_the_search_stopped_at_max():
+    topped = fit_limit.Search("m", [fit_limit.Attempt("m", 8, True, peak_bytes=1,
+                                                      step_seconds=1.0)])
+    limited = fit_limit.Search("m", [*topped.attempts, fit_limit.Attempt(
+        "m", 16, False, error="OOM", out_of_memory=True)])
+    assert topped.largest_text == ">= 8" and limited.largest_text == "8"
+    assert fit_limit.Search("m").largest_text == "-"

@@ -347,7 +347,10 @@ def fit_limit_command(args: argparse.Namespace) -> int:
     if args.plot:
         fit_limit.plot(searches, dimension, args.limit_mib, args.plot, title)
         logging.info("wrote %s", args.plot)
-    return 0 if all(s.largest is not None or not s.failure for s in searches) else 1
+    # keras.RematScope failing is one of the answers (it does under fit on TensorFlow), not
+    # the command's.
+    return 0 if all(s.largest is not None or not s.failure for s in searches
+                    if s.method != fit_limit.KERAS_REMAT) else 1
 
 
 #: Subcommand name -> its function (the parser in memsave_grads.cli has one subparser each).

@@ -95,6 +95,15 @@ class Search:
         return max(fitting, key=lambda a: a.size) if fitting else None
 
     @property
+    def largest_text(self) -> str:
+        """The largest size that fit, ``">= N"`` where nothing failed (the search stopped at
+        ``--max``, not at the limit); ``"-"`` where nothing fit."""
+        best = self.largest
+        if best is None:
+            return "-"
+        return f"{'>= ' if all(a.fits for a in self.attempts) else ''}{best.size}"
+
+    @property
     def failure(self) -> str:
         """Why the search stopped where it did (the first non-memory failure, if any)."""
         broken = [a for a in self.attempts if not a.fits and not a.out_of_memory]
@@ -476,8 +485,7 @@ def table(searches: Sequence[Search], dimension: str, limit_mib: int) -> str:
         ratio = "-" if reference is None else f"{best.size / reference.size:.2f}x"
         time_ratio = "-" if reference is None else (
             f"{best.seconds_per_unit / reference.seconds_per_unit:.2f}x")
-        topped = not any(not a.fits for a in s.attempts)
-        rows.append([s.method, f"{'>= ' if topped else ''}{best.size}", ratio,
+        rows.append([s.method, s.largest_text, ratio,
                      tables.number(best.seconds_per_unit * 1e3), time_ratio,
                      tables.number(best.peak_bytes / measure.MIB), s.failure[:80]])
     return tables.markdown_table(
@@ -510,7 +518,7 @@ def plot(searches: Sequence[Search], dimension: str, limit_mib: int, path: str,
         if fitting:
             line, = axes.plot([a.size for a in fitting],
                               [a.peak_bytes / measure.MIB for a in fitting], "o-",
-                              label=f"{s.method} (largest {fitting[-1].size})")
+                              label=f"{s.method} (largest {s.largest_text})")
             failed = [a.size for a in s.attempts if a.out_of_memory]
             if failed:
                 axes.plot(failed, [limit_mib] * len(failed), "x", color=line.get_color())
