@@ -150,19 +150,17 @@ def _writable_path(text: str) -> str:
     return text
 
 
-#: What matplotlib writes with ``savefig`` by the file's name (a subset it always has).
-PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
-
-
 def _plot_path(text: str) -> str:
-    if not text.lower().endswith(PLOT_SUFFIXES):
-        raise argparse.ArgumentTypeError(
-            f"expected a file name ending in {', '.join(PLOT_SUFFIXES)} (the image format), "
-            f"got {text!r}")
     if importlib.util.find_spec("matplotlib") is None:
         raise argparse.ArgumentTypeError(
             f"writing the plot {text!r} needs matplotlib, which is not installed: pip install "
             "'memsave-grads[bench]' (or pip install matplotlib)")
+    from matplotlib import figure  # pylint: disable=import-outside-toplevel  # not TensorFlow
+    suffixes = sorted(figure.Figure().canvas.get_supported_filetypes())
+    if text.rpartition(".")[2].lower() not in suffixes:
+        raise argparse.ArgumentTypeError(
+            f"expected a file name ending in an image format matplotlib writes "
+            f"({', '.join('.' + s for s in suffixes)}), got {text!r}")
     return _writable_path(text)
 
 
@@ -482,11 +480,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _prepare_environment()
     _import_tensorflow()
     _start_logging()
-    from memsave_grads import errors  # pylint: disable=import-outside-toplevel
     from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
     try:
         return commands.COMMANDS[args.command](args)
-    except errors.MemsaveGradsError as e:  # bad input found once it was loaded: a usage error
+    except commands.CommandLineError as e:
         parser.command_parsers[args.command].error(str(e))
 
 

@@ -411,8 +411,8 @@ def _early_release_refusal(model, version: str) -> str | None:
                   "accumulate with a larger batch instead, which memsave_grads makes room for")
     elif distributed:
         reason = (f"under {type(strategy or tf.distribute.get_strategy()).__name__} it "
-                  "all-reduces every gradient across replicas in one op; wrap without "
-                  "release_gradients_early")
+                  "sums every gradient over the strategy's replicas in one op (even with one "
+                  "replica); wrap without release_gradients_early")
     elif version == KERAS3 and not hasattr(type(optimizer), _KERAS_GRADIENT_SUM):
         reason = (f"this Keras has no {type(optimizer).__name__}.{_KERAS_GRADIENT_SUM}, the "
                   "one-op sum over replicas that the wrapped step skips; wrap without "
@@ -424,17 +424,31 @@ def _early_release_refusal(model, version: str) -> str | None:
     return reason
 
 
+def _takes_keyword(function, name: str) -> bool:
+    """Whether ``function`` accepts the keyword argument ``name`` (by name or ``**kwargs``)."""
+    parameters = inspect.signature(function).parameters.values()
+    return any(p.name == name and p.kind is not inspect.Parameter.POSITIONAL_ONLY
+               or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
 def _keras2_sum_refusal(optimizer) -> str | None:
     """Why a tf_keras optimizer's ``apply_gradients`` cannot skip its sum over replicas
     (``experimental_aggregate_gradients=False``) without changing the step, or None."""
     tf_keras = _import_tf_keras()
     new, legacy = tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer
     cls = type(optimizer)
+    if not isinstance(optimizer, (new, legacy)) or not _takes_keyword(
+            cls.apply_gradients, "experimental_aggregate_gradients"):
+        # tf_keras' wrapper of a tf.compat.v1.train optimizer, or a subclass whose own
+        # apply_gradients leaves the argument out (OptimizerV2's _HAS_AGGREGATE_GRAD says so
+        # where it is False, but Ftrl leaves it False and takes the argument all the same).
+        return (f"its apply_gradients takes no experimental_aggregate_gradients, so it sums "
+                "every gradient in one op; use a tf_keras optimizer (tf_keras.optimizers.* or "
+                "tf_keras.optimizers.legacy.*) whose apply_gradients takes it, or wrap without "
+                "release_gradients_early")
     if isinstance(optimizer, new):
         custom = cls.aggregate_gradients is not new.aggregate_gradients
-    elif isinstance(optimizer, legacy):
-        # (Not OptimizerV2's _HAS_AGGREGATE_GRAD: tf_keras no longer reads it, and Ftrl or a
-        # user's subclass leave it False while apply_gradients takes the argument all the same.)
+    else:
         # pylint: disable=protected-access
         aggregator = getattr(optimizer, "gradient_aggregator", None)
         custom = (cls._aggregate_gradients is not legacy._aggregate_gradients
@@ -442,10 +456,6 @@ def _keras2_sum_refusal(optimizer) -> str | None:
                       is not legacy._transform_unaggregated_gradients)
                   or getattr(aggregator, "__name__", None) != "all_reduce_sum_gradients")
         # pylint: enable=protected-access
-    else:  # tf_keras' wrapper of a tf.compat.v1.train optimizer, or an older custom one
-        return (f"its apply_gradients takes no experimental_aggregate_gradients, so it sums "
-                "every gradient in one op; use a tf_keras optimizer (tf_keras.optimizers.* or "
-                "tf_keras.optimizers.legacy.*), or wrap without release_gradients_early")
     if custom:
         return ("it aggregates the gradients its own way (aggregate_gradients, "
                 "_aggregate_gradients or gradient_aggregator), which the ordered step would "

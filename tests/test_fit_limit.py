@@ -97,6 +97,7 @@ def test_the_command_tries_each_size_as_often_as_asked(monkeypatch, capsys):
                                                out_of_memory=True))
 
     monkeypatch.setattr(fit_limit, "attempt", fake_attempt)
+    monkeypatch.setattr(fit_limit, "check", lambda *a, **k: {"kind": "keras", "keras": "?"})
     from memsave_grads import cli  # pylint: disable=import-outside-toplevel
     from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
     args = cli.build_parser().parse_args([
@@ -484,11 +485,13 @@ def test_h5_files_load_with_the_keras_that_can_train_them(tmp_path):
 
 
 @pytest.mark.parametrize("flags,match", [
-    (["--plot", "fit.txt"], "--plot: expected a file name ending in .png"),
+    (["--plot", "fit.txt"], "--plot: expected a file name ending in an image format"),
     (["--start", "64", "--max", "8"], "--start: expected at most --max"),
 ])
 def test_fit_limit_flags_that_contradict_are_usage_errors(flags, match, capsys):
     from memsave_grads import cli  # pylint: disable=import-outside-toplevel
+    if "--plot" in flags:
+        pytest.importorskip("matplotlib")   # without it, --plot is refused for that
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["fit-limit", f"{MODELS}:residual_mlp", "--limit-mib", "64", *flags])
     assert exit_info.value.code == 2
@@ -535,3 +538,34 @@ def test_the_largest_size_says_where_the_search_stopped_at_max():
         "m", 16, False, error="OOM", out_of_memory=True)])
     assert topped.largest_text == ">= 8" and limited.largest_text == "8"
     assert fit_limit.Search("m").largest_text == "-"
+
+
+def test_keras_remat_failing_is_an_answer_not_the_command_s_failure(monkeypatch, capsys):
+    """keras.RematScope fails inside fit on TensorFlow: its row says so, the exit status
+    stays 0 (fake tries)."""
+    from memsave_grads import cli  # pylint: disable=import-outside-toplevel
+
+    def fake_attempt(source, method, batch_size, limit_mib, **kwargs):
+        if method == fit_limit.KERAS_REMAT:
+            return fit_limit.Attempt(method, batch_size, False, error="ValueError: keywords")
+        return fit_limit.Attempt(method, batch_size, batch_size <= 16, peak_bytes=1,
+                                 step_seconds=1.0, out_of_memory=batch_size > 16)
+
+    monkeypatch.setattr(fit_limit, "attempt", fake_attempt)
+    monkeypatch.setattr(fit_limit, "check",
+                        lambda *a, **k: {"kind": "keras", "keras": mg.keras.KERAS3})
+    assert cli.main(["fit-limit", f"{MODELS}:residual_mlp", "--limit-mib", "64",
+                     "--start", "8", "--max", "32", "--keras-remat"]) == 0
+    assert "ValueError: keywords" in capsys.readouterr().out
+
+
+def test_a_check_the_machine_killed_does_not_stop_the_search(monkeypatch):
+    """The build before the search runs without a cap: killed (the machine's own memory) or
+    past its time, it says nothing about the model, and the search goes on."""
+    from memsave_grads.bench import child  # pylint: disable=import-outside-toplevel
+    for outcome in (child.ChildRun(None, -9, ""), child.ChildRun(None, None, "", True)):
+        monkeypatch.setattr(child, "run", lambda *a, outcome=outcome, **k: outcome)
+        assert fit_limit.check(f"{MODELS}:residual_mlp", 8) is None
+    monkeypatch.setattr(child, "run", lambda *a, **k: child.ChildRun(None, 1, "boom\nlast"))
+    with pytest.raises(ValueError, match="building .* failed: last"):
+        fit_limit.check(f"{MODELS}:residual_mlp", 8)

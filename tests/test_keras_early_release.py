@@ -177,6 +177,16 @@ class _SummingSGD(tf_keras.optimizers.SGD):
         return [(2.0 * g, v) for g, v in grads_and_vars]
 
 
+class _NoAggregateArgumentSGD(tf_keras.optimizers.legacy.SGD):
+    """A user's legacy optimizer whose own apply_gradients leaves the argument out (and says
+    so with OptimizerV2's _HAS_AGGREGATE_GRAD)."""
+
+    _HAS_AGGREGATE_GRAD = False
+
+    def apply_gradients(self, grads_and_vars, name=None):  # pylint: disable=arguments-differ
+        return super().apply_gradients(grads_and_vars, name=name)
+
+
 @pytest.mark.parametrize("optimizer,match,remedy,flavour", [
     (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
      "LossScaleOptimizer, which checks that every gradient is finite", "train in float32",
@@ -198,6 +208,8 @@ class _SummingSGD(tf_keras.optimizers.SGD):
     # tf_keras' wrapper of a v1 optimizer: its apply_gradients always sums the gradients.
     (lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1),
      "takes no experimental_aggregate_gradients", "use a tf_keras optimizer", "keras2"),
+    (lambda: _NoAggregateArgumentSGD(0.1), "takes no experimental_aggregate_gradients",
+     "whose apply_gradients takes it", "keras2"),
     (lambda: _SummingSGD(0.1), "aggregates the gradients its own way",
      "wrap without release_gradients_early", "keras2"),
     (lambda: tf_keras.optimizers.legacy.SGD(0.1, gradient_aggregator=lambda pairs: pairs),
@@ -218,12 +230,14 @@ def test_a_model_built_under_a_strategy_is_refused_outside_its_scope(flavour):
         model = _mlp(KERAS[flavour].optimizers.SGD(0.1), flavour=flavour)
     with pytest.raises(errors.InvalidArgumentError, match="under OneDeviceStrategy"):
         wrap_model(model, release_gradients_early=True)
-    with strategy.scope(), pytest.raises(errors.InvalidArgumentError, match="all-reduces"):
+    with strategy.scope(), pytest.raises(errors.InvalidArgumentError,
+                                         match="sums every gradient over the strategy.s"):
         wrap_model(model, release_gradients_early=True)
 
 
 @pytest.mark.parametrize("optimizer", [
     lambda: tf.compat.v1.train.GradientDescentOptimizer(0.05),
+    lambda: _NoAggregateArgumentSGD(0.05, momentum=0.9),
     lambda: _SummingSGD(0.05, momentum=0.9)])
 def test_tf_keras_steps_that_cannot_skip_the_sum_train_as_stock(optimizer, monkeypatch):
     """The default tf_keras step keeps Keras' own update where skipping the sum over replicas

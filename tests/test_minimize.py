@@ -351,3 +351,21 @@ def test_outside_a_function_nothing_is_predicted():
         v = tf.compat.v1.Variable(1.0, use_resource=True)
         v.assign_add(v.read_value())
         assert tf_graph.automatic_control_edges(graph.get_operations()) == []
+
+
+def test_tf1_control_flow_in_a_function_is_not_predicted():
+    """A function graph holding TF1 control flow (Switch/Merge, which tf.cond no longer builds
+    inside tf.function but raw ops can): the automatic control dependencies rewire it in ways
+    not emulated, so 'cannot say' (None), and the early-release ordering then adds no edge
+    rather than risk a cycle."""
+    seen = {}
+
+    def body(x):
+        false_branch, true_branch = tf.raw_ops.Switch(data=x, pred=x > 0)
+        merged, _ = tf.raw_ops.Merge(inputs=[false_branch * 2.0, true_branch])
+        seen["edges"] = tf_graph.automatic_control_edges(
+            tf.compat.v1.get_default_graph().get_operations())
+        return merged
+
+    tf.function(body).get_concrete_function(tf.TensorSpec((), tf.float32))
+    assert seen["edges"] is None

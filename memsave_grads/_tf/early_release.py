@@ -145,8 +145,11 @@ class _Dependencies:
         self._newer = _newer_than(floor)
         self._before: dict = {}  # op -> ops it will wait for
         self._after: dict = {}   # op -> ops that will wait for it
-        for before, after in tf_graph.automatic_control_edges(
-                op for op in graph.get_operations() if self._newer(op)):
+        edges = tf_graph.automatic_control_edges(
+            op for op in graph.get_operations() if self._newer(op))
+        #: False where those edges cannot be predicted (TF1 control flow in a function).
+        self.known = edges is not None
+        for before, after in edges or ():
             self._before.setdefault(after, []).append(before)
             self._after.setdefault(before, []).append(after)
 
@@ -207,6 +210,12 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int,
     if not updates:
         return stats
     dependencies = _Dependencies(updates[0].handle.graph, grad_floor)
+    if not dependencies.known:
+        # Any edge might close a cycle with edges tf.function adds later: leave the updates
+        # to dataflow (values are the same; the step only saves less).
+        logging.vlog(1, "memsave_grads: TF1 control flow in the traced step: the updates are "
+                     "left unordered")
+        return stats
     for update in updates:
         # The ops taking the handle other than reads: the assignments, fused apply kernels,
         # or a function call that does the update.

@@ -227,7 +227,8 @@ def crossing_captures(ys: Sequence[tf.Tensor], outer_xs: Sequence[tf.Tensor],
     return sorted(found, key=lambda t: creation_index(t.op))
 
 
-def automatic_control_edges(ops: Iterable[tf.Operation]) -> list[tuple[tf.Operation, tf.Operation]]:
+def automatic_control_edges(
+        ops: Iterable[tf.Operation]) -> list[tuple[tf.Operation, tf.Operation]] | None:
     """The control edges ``(before, after)`` that a ``tf.function``'s automatic control
     dependencies will add among ``ops`` when its trace ends: in creation order, an op that
     writes a resource waits for the last write and the reads since, a read waits for the last
@@ -238,18 +239,21 @@ def automatic_control_edges(ops: Iterable[tf.Operation]) -> list[tuple[tf.Operat
     (tf_keras' ``Nadam``: every variable's update reads and writes one shared ``u_product``,
     so the updates are chained in the order ``apply_gradients`` made them, whatever order we
     ask for). Outside a function graph nothing adds them: ``[]``. Emulates
-    ``AutomaticControlDependencies`` (its resource resolvers included) except TF1 control
-    flow (Switch/Merge), which a TF2 trace does not build.
+    ``AutomaticControlDependencies`` (its resource resolvers included), but not its handling
+    of TF1 control flow (Switch/Merge, which it also rewires) or of collective-op scopes
+    (nothing in TF 2.21 opens one): None, "cannot say", where a TF1 cond or loop is among
+    ``ops`` (a function traced with control flow v2 turned off).
     """
     ops = sorted(ops, key=creation_index)
     if not ops or not is_function_graph(ops[0].graph):
         return []
+    if any(uses_v1_control_flow(op) for op in ops):
+        return None
     last_write: dict = {}
     reads_since_write: dict = collections.defaultdict(list)
     edges = []
     for op in ops:
-        if (uses_v1_control_flow(op)
-                or op.type in auto_control_deps.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS):
+        if op.type in auto_control_deps.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS:
             continue
         touched = set()
         # pylint: disable-next=protected-access

@@ -191,20 +191,22 @@ def explain(args: argparse.Namespace) -> int:
     if args.model:
         try:
             kind, model, _ = fit_limit.build(args.model, args.batch, args.sequence_length)
-        except errors.MemsaveGradsError:
-            raise
+        except errors.MemsaveGradsError as e:
+            raise CommandLineError(str(e)) from None
         except Exception as e:  # pylint: disable=broad-except  # the user's code, reported whole
-            raise errors.InvalidArgumentError(
-                f"argument --model: building {args.model} failed: {type(e).__name__}: "
-                f"{' '.join(str(e).split())}") from None
+            raise CommandLineError(f"argument --model: building {args.model} failed: "
+                                   f"{fit_limit.error_text(e)}") from None
         if kind != "keras":
-            raise errors.InvalidArgumentError(
+            raise CommandLineError(
                 f"argument --model: explain --model needs a Keras model; {args.model} returned "
                 "a training step. Call memsave_grads.explain(loss, variables) inside the step "
                 "instead.")
-        report = explain_lib.explain(model, checkpoints=args.checkpoints,
-                                     batch_size=args.batch,
-                                     sequence_length=args.sequence_length)
+        try:
+            report = explain_lib.explain(model, checkpoints=args.checkpoints,
+                                         batch_size=args.batch,
+                                         sequence_length=args.sequence_length)
+        except errors.MemsaveGradsError as e:  # the user's model: what is wrong with it
+            raise CommandLineError(str(e)) from None
         print(f"## {args.model} ({getattr(model, 'name', '')}, batch {args.batch})\n{report}\n")
         return 0
     for spec in models.select(models.benchmark_models(), args.models):
@@ -281,6 +283,11 @@ def _log_try(attempt: fit_limit.Attempt, index: int, dimension: str) -> None:
                  outcome)
 
 
+class CommandLineError(errors.InvalidArgumentError):
+    """Bad input a command finds once it has loaded it (the user's model): the command line
+    prints it as a usage error, exit status 2. Other errors keep their tracebacks."""
+
+
 def _check_fit_limit_model(args: argparse.Namespace) -> None:
     """The model argument built once, before any try: a model that cannot train, or a method
     it cannot have, is our error (the command line prints it as a usage error), not every
@@ -290,19 +297,22 @@ def _check_fit_limit_model(args: argparse.Namespace) -> None:
         built = fit_limit.check(args.model, start_batch,
                                 None if args.vary == "batch" else args.start)
     except ValueError as e:
-        raise errors.InvalidArgumentError(f"argument MODEL: {e}") from None
-    if built["kind"] == "step":
+        raise CommandLineError(f"argument MODEL: {e}") from None
+    if built is None:
+        logging.warning("building %s once before the search did not finish (killed, or past "
+                        "%d s); searching anyway", args.model, fit_limit.PROCESS_TIMEOUT_S)
+    elif built["kind"] == "step":
         if args.keras_remat:
-            raise errors.InvalidArgumentError(
+            raise CommandLineError(
                 f"argument --keras-remat: keras.RematScope applies to Keras 3 models; "
                 f"{args.model} returned a training step. Leave the flag out.")
         if args.release_gradients_early:
-            raise errors.InvalidArgumentError(
+            raise CommandLineError(
                 f"argument --release-gradients-early: applies to Keras models; {args.model} "
                 "returned a training step, which releases its gradients early if it calls "
                 "memsave_grads.minimize. Leave the flag out.")
     elif args.keras_remat and built["keras"] != mg_keras.KERAS3:
-        raise errors.InvalidArgumentError(
+        raise CommandLineError(
             f"argument --keras-remat: keras.RematScope is Keras 3's; {args.model} is a "
             f"{built['keras']} model, which it would leave as it is. Leave the flag out.")
 

@@ -55,6 +55,8 @@ KERAS_REMAT = "keras.RematScope"
 EARLY_RELEASE = " + early release"
 #: The allocator cap on CPU, read once when TensorFlow's CPU allocator starts.
 CPU_LIMIT_ENV = "TF_CPU_BFC_MEM_LIMIT_IN_MB"
+#: How long one process (a try, or the check before the search) may run.
+PROCESS_TIMEOUT_S = 1800
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +120,8 @@ def describe_source(source: str) -> str:
     """``"keras file"``, ``"tf_keras h5"``, ``"saved model"`` or ``"function"``; ValueError
     saying what a model argument may be, for anything else."""
     if source.endswith((".keras", ".h5")) and not os.path.isfile(source):
-        raise ValueError(f"{source} does not exist (or is not a file)")
+        raise ValueError(f"expected a .keras or .h5 file saved with model.save(), but "
+                         f"{source} does not exist (or is not a file)")
     if os.path.isfile(source) and source.endswith(".keras"):
         return "keras file"
     if os.path.isfile(source) and source.endswith(".h5"):
@@ -235,6 +238,14 @@ def _counting_rewrites():
     return calls
 
 
+def error_text(error: Exception) -> str:
+    """An exception of the user's code, whole, on one line: its type and message (Keras 3's
+    wrapper of a layer's error unwrapped as :func:`_error_line` does)."""
+    if str(error).lstrip().startswith("Exception encountered when calling"):
+        return f"{type(error).__name__}: {_error_line(error)}"
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
 def _error_line(error: Exception) -> str:
     """The line of an exception's message that says what went wrong: Keras 3 wraps a layer's
     error in "Exception encountered when calling X.call()" and ANSI-bolds the cause below it."""
@@ -257,17 +268,21 @@ def _check_here(request: dict) -> dict:
         keras_lib.check_trainable(target, version, "fit-limit")
         return {"kind": "keras", "keras": version}
     except Exception as e:  # pylint: disable=broad-except  # the user's model, reported whole
-        return {"error": f"{type(e).__name__}: {' '.join(str(e).split())}"}
+        return {"error": error_text(e)}
 
 
 def check(source: str, batch_size: int, sequence_length: int | None = None,
-          timeout_s: float = 1800) -> dict:
+          timeout_s: float = PROCESS_TIMEOUT_S) -> dict | None:
     """Build the model argument once in a fresh process before any try, so that a model that
     cannot train at all is reported once, whole, instead of as every method's failure:
     ``{"kind": "step"}`` or ``{"kind": "keras", "keras": KERAS2 or KERAS3}`` (of
-    :mod:`memsave_grads.keras`); ValueError with the loader's or our error otherwise."""
+    :mod:`memsave_grads.keras`); ValueError with the loader's or our error otherwise. None
+    where the process was killed or ran out of time (the machine's memory at this size, say):
+    that says nothing about the model, and the search can still answer."""
     outcome = child.run(__name__, {"check": True, "source": source, "batch_size": batch_size,
                                    "sequence_length": sequence_length}, timeout_s=timeout_s)
+    if outcome.timed_out or outcome.crashed:
+        return None
     if outcome.result is None:
         raise ValueError(f"building {source} failed: {outcome.last_error_line()}")
     if "error" in outcome.result:
@@ -350,7 +365,7 @@ def _try_here(request: dict) -> dict:
 
 def attempt(source: str, method: str, batch_size: int, limit_mib: int,
             sequence_length: int | None = None, steps: int = 3,
-            timeout_s: float = 1800, reserve_limit: bool = False) -> Attempt:
+            timeout_s: float = PROCESS_TIMEOUT_S, reserve_limit: bool = False) -> Attempt:
     """One try in a fresh process under the memory cap (see the module's docstring);
     ``reserve_limit``: on CPU, the whole limit as one allocator region from the start."""
     request = {"source": source, "method": method, "batch_size": batch_size,
