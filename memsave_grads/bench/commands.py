@@ -293,6 +293,7 @@ def _check_fit_limit_model(args: argparse.Namespace) -> None:
     it cannot have, is our error (the command line prints it as a usage error), not every
     method's failure in the table."""
     start_batch = args.start if args.vary == "batch" else args.batch
+    logging.info("%s: building it once to check it ...", args.model)
     try:
         built = fit_limit.check(args.model, start_batch,
                                 None if args.vary == "batch" else args.start)
