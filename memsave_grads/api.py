@@ -149,7 +149,8 @@ def _warn_plain_once(checkpoints, prepared: "_Prepared", reason: str) -> None:
         f" {len(loops)} of those ops are loops, which the planner keeps or recomputes whole "
         "while their gradients store what every iteration needs: to save inside a loop, "
         "recompute its step with memsave_grads.recompute(step_fn) (wrap_model does so for "
-        "Keras 3 recurrent layers; docs/recurrent.md)." if loops else "")
+        "Keras 3 recurrent layers, unless recompute_cells=False or XLA compiles the step; "
+        "docs/recurrent.md)." if loops else "")
     logging.warning(
         "memsave_grads: checkpoints=%.80r saves no memory on this graph of %d forward ops (%s); "
         "plain tf.gradients computes its gradients, at tf.gradients' own peak.%s "

@@ -780,14 +780,21 @@ class _WrappedTrainOnBatch:
         model = self._model
         step = model.__dict__.get("train_step")
         with grappler_options.without_grappler_scheduling():
-            if isinstance(step, _WrappedTrainStep) and step.needs_calibration():
+            if isinstance(step, _WrappedTrainStep):
                 try:
                     bound = inspect.signature(type(model).train_on_batch).bind(
                         model, *args, **kwargs)
                 except TypeError:  # train_on_batch itself will say what is wrong with the call
                     bound = None
-                if bound is not None:
-                    x, y = bound.arguments.get("x"), bound.arguments.get("y")
+                x, y = (bound.arguments.get("x"), bound.arguments.get("y")) if bound else (
+                    None, None)
+                if step.batch_size is None and step.fit_batch_size is None:
+                    # Keras 3 traces the first size as it is, and the next one with an unknown
+                    # batch dimension (reduce_retracing): that trace is planned for the size
+                    # train_on_batch saw first, not per example (design note "unknown batch
+                    # size").
+                    step.fit_batch_size = _leading_dimension(x)
+                if bound is not None and step.needs_calibration():
                     _calibrate_for_batch(model, step, (x, y) if y is not None else None, True,
                                          examples=_leading_dimension(x))
                     _retrace_if_replanned(model, step)
@@ -902,15 +909,19 @@ def calibrate_model(model, asked: budgets.Budget, *, batch_size: int,
     return calibrated
 
 
-def _training_state(model) -> list:
+def _training_state(model, step=None) -> list:
     """Every variable one training step may change: weights, batch-norm statistics, dropout
-    seeds, the optimizer's slots and iterations, the metrics' totals."""
+    seeds, the optimizer's slots and iterations, the metrics' totals, and whatever else the
+    traced ``step`` (a concrete function) captures: state the model does not list, such as a
+    stateful RNN's states and Keras 3's global seed generator, which ``keras.random`` calls
+    without a seed advance."""
     optimizer_variables = getattr(model.optimizer, "variables", [])
     if callable(optimizer_variables):  # tf_keras legacy optimizers: a method
         optimizer_variables = optimizer_variables()
+    captured = list(step.variables) if step is not None else []
     found, seen = [], set()
     for v in [*model.variables, *optimizer_variables,
-              *(v for metric in model.metrics for v in metric.variables)]:
+              *(v for metric in model.metrics for v in metric.variables), *captured]:
         if id(v) not in seen:
             seen.add(id(v))
             found.append(v)
@@ -945,7 +956,8 @@ def _calibration_measure(model, batch_size, sequence_length, data, runs: int,
             return train_step(model, (x, y), checkpoints=planned, fallback="error",
                               batch_size=examples, **settings)
         concrete = tf.function(step, autograph=False).get_concrete_function(*specs)
-        state = _training_state(model)  # after the trace: tf_keras makes its slots there
+        # After the trace: tf_keras makes its slots there.
+        state = _training_state(model, concrete)
         saved = [tf.identity(tf.convert_to_tensor(v)) for v in state]
         try:
             with grappler_options.without_grappler_scheduling():  # as wrap_model's fit runs

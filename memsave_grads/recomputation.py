@@ -155,7 +155,9 @@ def _check_kept(kept, own, inputs, fn_name) -> None:
                     f"{t.name!r}, which is computed from the function's inputs. Stateful ops "
                     "are never run twice, and its gradient would need that value stored. Move "
                     "the op out of the recomputed function, or make it stateless (e.g. "
-                    "tf.random.stateless_uniform with an explicit seed).")
+                    "tf.random.stateless_uniform with an explicit seed); for a Keras 3 "
+                    "recurrent cell, wrap_model(model, recompute_cells=False) keeps the "
+                    "layer's loop as Keras builds it.")
 
 
 def _backward(plan: _Plan, inputs, outputs, output_grads, variables, scope):

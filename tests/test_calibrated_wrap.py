@@ -310,6 +310,53 @@ def test_calibrating_trains_nothing_and_the_step_matches_stock(flavour):
                                    err_msg=a.name)
 
 
+def _with_state_the_model_does_not_list(keras, kind):
+    """A model whose step changes state outside ``model.variables``: noise from Keras 3's
+    global seed generator (``keras.random`` without a seed), or a stateful LSTM's states."""
+    keras.utils.set_random_seed(3)
+
+    class Noise(keras.layers.Layer):
+        def call(self, x, training=False):
+            return x + 0.5 * keras.random.normal(keras.ops.shape(x)) if training else x
+
+    if kind == "noise":
+        inputs = keras.Input((32,), batch_size=16)
+        h = inputs
+        for _ in range(6):
+            h = keras.layers.Dense(32, activation="tanh")(h)
+        h = Noise()(h)
+    else:
+        inputs = keras.Input((6, 32), batch_size=16)
+        h = keras.layers.LSTM(16, stateful=True)(inputs)
+        for _ in range(6):
+            h = keras.layers.Dense(32, activation="tanh")(h)
+    model = keras.Model(inputs, keras.layers.Dense(10)(h))
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse",
+                  jit_compile=False)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["noise", "stateful_lstm"])
+def test_calibrating_restores_state_the_model_does_not_list(kind):
+    """The calibration's steps also advance state that is not among the model's, optimizer's
+    or metrics' variables; it is restored too, so fit draws the noise and carries the states
+    that stock fit does."""
+    keras = KERAS["keras3"]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 32) if kind == "noise" else (32, 6, 32)).astype("float32")
+    y = rng.standard_normal((32, 10)).astype("float32")
+    stock = _with_state_the_model_does_not_list(keras, kind)
+    stock.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    clear_session(keras)
+    ours = mg.wrap_model(_with_state_the_model_does_not_list(keras, kind),
+                         "budget:50%:calibrated")
+    ours.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert ours.train_step.calibrated
+    for a, b in zip(ours.weights, stock.weights):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6,
+                                   err_msg=a.name)
+
+
 def test_a_step_compiled_by_xla_trains_with_one_warning(caplog):
     keras = KERAS["keras3"]
     model = mg.wrap_model(_mlp_without_dropout(keras, jit_compile=True), "budget:60%:calibrated")

@@ -10,7 +10,7 @@ step; ``recompute_cells=False``, and XLA, keep Keras's own loops.
 
 import numpy as np
 import pytest
-import tensorflow as tf  # noqa: F401  (TensorFlow loaded at the top, as conftest expects)
+import tensorflow as tf
 
 from memsave_grads import errors
 from memsave_grads import measure
@@ -29,6 +29,23 @@ def _data(steps, batch=8, features=6, classes=4, seed=1):
     return x, rng.integers(0, classes, batch)
 
 
+class _CheckedCell(keras.layers.Layer):
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.state_size, self.output_size = units, units, units
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units))
+        self.recurrent = self.add_weight(shape=(self.units, self.units))
+
+    def call(self, inputs, states):
+        h = tf.debugging.check_numerics(
+            keras.ops.tanh(inputs @ self.kernel + states[0] @ self.recurrent), "h")
+        with tf.control_dependencies([tf.debugging.assert_less_equal(h, 1.0)]):
+            h = tf.identity(h)
+        return h, [h]
+
+
 def _recurrent_model(kind, steps, units=8, features=6, classes=4, jit_compile=False):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((steps, features))
@@ -40,6 +57,8 @@ def _recurrent_model(kind, steps, units=8, features=6, classes=4, jit_compile=Fa
         h = keras.layers.GRU(units, dropout=0.2, reset_after=True)(inputs)
     elif kind == "bidirectional_simple_rnn":
         h = keras.layers.Bidirectional(keras.layers.SimpleRNN(units))(inputs)
+    elif kind == "checked_cell":   # a user's cell with a numerics check and an assert
+        h = keras.layers.RNN(_CheckedCell(units))(inputs)
     elif kind == "rnn_of_stacked_cells":
         cells = [keras.layers.LSTMCell(units), keras.layers.GRUCell(units, dropout=0.1)]
         h = keras.layers.RNN(keras.layers.StackedRNNCells(cells))(inputs)
@@ -52,7 +71,8 @@ def _recurrent_model(kind, steps, units=8, features=6, classes=4, jit_compile=Fa
 
 
 #: Recurrent cells per model: a Bidirectional layer runs two, StackedRNNCells is one cell.
-CELLS = {"lstm_stack": 2, "gru": 1, "bidirectional_simple_rnn": 2, "rnn_of_stacked_cells": 1}
+CELLS = {"lstm_stack": 2, "gru": 1, "bidirectional_simple_rnn": 2, "rnn_of_stacked_cells": 1,
+         "checked_cell": 1}
 
 
 def _trained_weights(kind, wrapped, steps=12, jit_compile=False, **wrap_kwargs):
@@ -79,7 +99,7 @@ def recomputed_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["lstm_stack", "gru", "bidirectional_simple_rnn",
-                                  "rnn_of_stacked_cells"])
+                                  "rnn_of_stacked_cells", "checked_cell"])
 def test_wrapped_recurrent_layers_train_as_stock_fit(kind, recomputed_calls):
     _, plain_loss, plain = _trained_weights(kind, wrapped=False)
     assert recomputed_calls == []

@@ -202,6 +202,19 @@ def test_a_wrapped_fit_plans_for_its_batch_size_and_traces_again_for_another(fla
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # the class's fit again
 
 
+def test_train_on_batch_plans_a_relaxed_trace_for_the_first_size_it_saw(caplog):
+    """Keras 3's train_on_batch traces its first batch size as it is and the next one with an
+    unknown batch dimension: that trace is planned for the first size, not per example."""
+    model = mg.wrap_model(_small_model(KERAS["keras3"]), "budget:50%")
+    x, y = np.ones((16, 8), "float32"), np.ones((16, 1), "float32")
+    with caplog.at_level(logging.WARNING):
+        model.train_on_batch(x, y)
+        model.train_on_batch(x[:8], y[:8])
+        model.train_on_batch(x[:4], y[:4])
+    assert model.train_step.traced_batch_size == 16
+    assert not [r for r in caplog.records if "planned for one example" in r.getMessage()]
+
+
 def test_a_bad_batch_size_for_wrap_model_is_refused_before_wrapping():
     model = _small_model(KERAS["keras3"])
     with pytest.raises(mg.InvalidArgumentError, match="batch_size"):

@@ -16,6 +16,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
 import tensorflow as tf
 from tensorflow.python.framework import auto_control_deps
 from tensorflow.python.framework import func_graph as func_graph_module
+from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gradients_impl
@@ -335,14 +336,39 @@ def is_replayable(op: tf.Operation) -> bool:
     """Whether running a copy of ``op`` again is guaranteed to give the same outputs.
 
     Stateful ops (random draws, variable reads, iterators, stateful If/While) are not: their
-    outputs are kept instead (design note "never replay state" in docs/design.md).
+    outputs are kept instead (design note "never replay state" in docs/design.md). Checks
+    (``op_types.CHECK_OP_TYPES``) are stateful only to stay in the graph, and are replayed.
     """
     if uses_v1_control_flow(op) or op.type in op_types.FEED_OP_TYPES:
         return False
+    if _is_check(op):
+        return True
     try:
         return not op.op_def.is_stateful
     except (AttributeError, ValueError):
         return False
+
+
+def _is_check(op: tf.Operation) -> bool:
+    """A check (``op_types.CHECK_OP_TYPES``), or a cond whose branches run only checks and
+    stateless ops: TF2's ``tf.debugging.assert_*`` guard their ``Assert`` with a stateful
+    ``If`` (``AssertGuard``)."""
+    if op.type in op_types.CHECK_OP_TYPES:
+        return True
+    if op.type != op_types.STATEFUL_COND_OP_TYPE:  # a StatelessIf is replayable anyway
+        return False
+    try:
+        nodes = [node for branch in ("then_branch", "else_branch")
+                 for node in _function_nodes(op.graph, op.get_attr(branch).name)]
+    except (AttributeError, ValueError):
+        return False
+
+    def stateless(op_type: str) -> bool:
+        op_def = op_def_registry.get(op_type)
+        return op_def is not None and not op_def.is_stateful
+
+    return bool(nodes) and all(node.op in op_types.CHECK_OP_TYPES or stateless(node.op)
+                               for node in nodes)
 
 
 def _function_nodes(graph, name: str) -> list:

@@ -228,8 +228,10 @@ def select_explicit(ctx: SelectionContext, items: Sequence) -> set[tf.Operation]
             if not matched:
                 raise errors.CheckpointNotOnPathError(
                     f"{where}: the name pattern {item!r} matches no forward op between xs and ys. "
-                    f"Check the names with [op.name for op in graph.get_operations()], or use a "
-                    f"tensor instead of a pattern.")
+                    f"Check the names with [op.name for op in graph.get_operations()] (in a "
+                    f"Keras step: a layer's name, then the op's type, as in '*block3*/Tanh'; "
+                    f"docs/keras.md), or use a tensor instead of a pattern where you call "
+                    f"gradients yourself.")
             chosen |= matched
             continue
         if item.graph is not ctx.graph:

@@ -64,6 +64,16 @@ def is_expensive_op_type(op_type: str) -> bool:
 #: capture). A copy of one is a new, unfed input: it is never replayed, its value is read.
 FEED_OP_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault"})
 
+#: Stateful only so that TensorFlow neither prunes nor folds them: they check their input
+#: (and pass it through), so running one again checks the same values again and gives the same
+#: output. Replayed like a stateless op (a Keras cell with tf.debugging.check_numerics or an
+#: assert recomputes; issue 17's outside check).
+CHECK_OP_TYPES = frozenset({"CheckNumerics", "CheckNumericsV2", "Assert"})
+
+#: A TF2 cond (cond_v2) that TensorFlow marks stateful: still replayable where its branches
+#: run only checks and stateless ops.
+STATEFUL_COND_OP_TYPE = "If"
+
 #: Op types whose output depends only on the *shape* of their input, never on its values: what
 #: is computed from them (shape arithmetic, a dropout mask drawn for a dynamic batch size) is
 #: constant with respect to ``xs`` and is the same when a copy runs again (design note "unknown
