@@ -703,13 +703,19 @@ class _WrappedTrainStep:
                 getattr(self._model(), "name", "model"), uncalibrated.describe())
         return uncalibrated
 
+    def planned_batch_size(self) -> int | None:
+        """The batch size the next trace plans for where it leaves the batch unknown: a
+        calibrated budget's own (the batch it was measured on), else the one given to
+        wrap_model, else the one fit or train_on_batch read (None: per example)."""
+        calibrated = getattr(budgets.as_budget(self.planned_checkpoints()), "calibration", None)
+        if self.needs_calibration() and calibrated is not None and calibrated.batch_size:
+            return calibrated.batch_size
+        return self.batch_size or self.fit_batch_size
+
     def __call__(self, data):
         self.traced_checkpoints = self.planned_checkpoints()
         self.traced_key = self.calibration_key
-        calibrated = getattr(budgets.as_budget(self.traced_checkpoints), "calibration", None)
-        # A calibrated budget is planned for the batch it was measured on.
-        planned = (calibrated.batch_size if self.needs_calibration() and calibrated is not None
-                   and calibrated.batch_size else self.batch_size or self.fit_batch_size)
+        planned = self.planned_batch_size()
         self.traced_batch_size = planned
         return train_step(self._model(), data, checkpoints=self.traced_checkpoints,
                           fallback=self.fallback, recompute_cells=self.recompute_cells,
@@ -809,7 +815,9 @@ def _retrace_if_replanned(model, step: _WrappedTrainStep) -> None:
     another batch size, or under another calibration."""
     if model.train_function is None or step.traced_checkpoints is None:
         return
-    batch_size = step.batch_size or step.fit_batch_size
+    # What the next trace would plan for (a calibrated budget: the batch it was measured on,
+    # which is not always the size fit or train_on_batch first read).
+    batch_size = step.planned_batch_size()
     # Calibrated budgets of two keys may have equal fractions (Budget equality ignores the
     # calibration record), yet their traces differ: compare the keys.
     replanned = (step.calibration_key != step.traced_key if step.needs_calibration()
@@ -922,6 +930,9 @@ def _training_state(model, step=None) -> list:
     found, seen = [], set()
     for v in [*model.variables, *optimizer_variables,
               *(v for metric in model.metrics for v in metric.variables), *captured]:
+        # A Keras 3 variable and the tf.Variable it holds (which a step captures) are one.
+        held = getattr(v, "_value", None)
+        v = held if isinstance(held, tf.Variable) else v
         if id(v) not in seen:
             seen.add(id(v))
             found.append(v)

@@ -186,6 +186,10 @@ def test_train_on_batch_calibrates_on_its_batch_and_traces_per_size(flavour, cal
     assert calibrations == [(48, True, True), (40, True, True)]
     assert model.train_function is not first_function
     assert step.traced_key == (40, True)
+    second_function = model.train_function
+    for _ in range(2):                       # and not traced again on each call of that size
+        model.train_on_batch(x[:40], y[:40])
+    assert model.train_function is second_function
     mg.unwrap_model(model)
     assert "train_on_batch" not in model.__dict__ and "fit" not in model.__dict__
 

@@ -232,19 +232,27 @@ def test_a_value_captured_from_outside_the_loop_is_read_not_copied():
 def test_checks_inside_the_function_are_replayed(graph, session):
     """tf.debugging.check_numerics and asserts are stateful only so that TensorFlow keeps
     them: a recomputed function holding them gives tf.gradients' values (they used to be
-    refused as stateful ops reading the inputs), and the replayed check still fires."""
+    refused as stateful ops reading the inputs), and the replay holds copies of both."""
     x = tf.compat.v1.placeholder(tf.float32, [3, 4])
     w = tf.Variable(np.random.RandomState(0).randn(4, 4).astype(np.float32))
 
     def step(v):
-        h = tf.debugging.check_numerics(tf.tanh(tf.matmul(v, w)), "h is not finite")
-        with tf.control_dependencies([tf.debugging.assert_less(h, 2.0)]):
+        h = tf.debugging.check_numerics(tf.tanh(tf.matmul(v, w)), "replayed check")
+        with tf.control_dependencies([tf.debugging.assert_less(h, 2.0, name="replayed_assert")]):
             return tf.sin(h)
 
-    ours = tf.gradients(tf.reduce_sum(recompute(step)(x)), [x, w])
+    def checks():
+        return ([op for op in graph.get_operations() if op.type == "CheckNumerics"
+                 and op.get_attr("message") == b"replayed check"],
+                [op for op in graph.get_operations()
+                 if op.type == "If" and "replayed_assert" in op.name])
+
+    y = tf.reduce_sum(recompute(step)(x))
+    before = [len(found) for found in checks()]
+    ours = tf.gradients(y, [x, w])
+    after = [len(found) for found in checks()]
+    assert after == [2 * n for n in before] and before == [1, 1], (before, after)
     plain = tf.gradients(tf.reduce_sum(step(x)), [x, w])
     session.run(tf.compat.v1.global_variables_initializer())
     feed = {x: np.random.RandomState(1).randn(3, 4).astype(np.float32)}
     assert_grads_close(session.run(ours, feed), session.run(plain, feed))
-    with pytest.raises(tf.errors.InvalidArgumentError, match="h is not finite"):
-        session.run(ours, {x: np.full((3, 4), np.nan, np.float32)})
