@@ -203,8 +203,9 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
             kept, not_replayed, planner="memory", cuts=cuts, segment_cap_bytes=cap_bytes,
             predicted_peak_bytes=memory_model.replay(graph, sched)[0],
             recompute_cost=cost,
-            reason=f"cut at {len(cuts)} position{'' if len(cuts) == 1 else 's'} where the live frontier is small, at most "
-                   f"{cap_bytes / 2**20:.3g} MiB recomputed between cuts; the lowest predicted "
+            reason=f"cut at {len(cuts)} position{'' if len(cuts) == 1 else 's'} where the "
+                   f"live frontier is small, at most {cap_bytes / 2**20:.3g} MiB recomputed "
+                   "between cuts; the lowest predicted "
                    "peak, and the least recomputation among plans within 2% of it"))
     best_peak = min(p.predicted_peak_bytes for p in plans)
     if best_peak >= plain_peak:
