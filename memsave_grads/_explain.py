@@ -223,6 +223,7 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
             raise errors.InvalidTypeError(
                 f"release_gradients_early: expected True or False, got "
                 f"{type(release_gradients_early).__name__}: {release_gradients_early!r:.60}.")
+        keras_lib.check_trainable(ys, keras_lib.keras_version(ys), "explain")
         return keras_lib.trace_training_step(
             ys, lambda loss, weights: explain(loss, weights, checkpoints),
             batch_size=batch_size, sequence_length=sequence_length, data=data,

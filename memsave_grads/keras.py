@@ -1343,7 +1343,6 @@ def trace_training_step(model, on_loss, batch_size: int = 32,
     callback keeps this module from importing the explainer (which imports it).
     """
     version = keras_version(model)
-    check_trainable(model, version, "explain")
     if data is None:
         x_specs, y_specs = batch_specs(model, batch_size, sequence_length)
         x_specs = x_specs[0] if len(x_specs) == 1 else x_specs

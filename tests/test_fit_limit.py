@@ -569,3 +569,17 @@ def test_a_check_the_machine_killed_does_not_stop_the_search(monkeypatch):
     monkeypatch.setattr(child, "run", lambda *a, **k: child.ChildRun(None, 1, "boom\nlast"))
     with pytest.raises(ValueError, match="building .* failed: last"):
         fit_limit.check(f"{MODELS}:residual_mlp", 8)
+
+
+def test_a_try_of_keras_remat_on_a_tf_keras_model_says_it_does_not_apply(tmp_path):
+    """The row stays honest where no check ran before the search: RematScope leaves a tf_keras
+    model as it is, so its try reports that instead of stock fit's numbers."""
+    tf_keras = pytest.importorskip("tf_keras")
+    inputs = tf_keras.Input((8,))
+    model = tf_keras.Model(inputs, tf_keras.layers.Dense(2)(inputs))
+    model.compile("sgd", "mse")
+    model.save(tmp_path / "old.h5")
+    result = fit_limit._try_here({  # pylint: disable=protected-access
+        "source": str(tmp_path / "old.h5"), "method": fit_limit.KERAS_REMAT, "batch_size": 4,
+        "limit_mib": None, "steps": 1})
+    assert not result["fits"] and "Keras 3 models only" in result["error"]

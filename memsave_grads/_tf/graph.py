@@ -257,8 +257,12 @@ def automatic_control_edges(
         if op.type in auto_control_deps.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS:
             continue
         touched = set()
-        # pylint: disable-next=protected-access
-        for handle, kind in auto_control_deps._get_resource_inputs(op):
+        # Only an op taking a resource (or a dataset variant, which tf.data's resolver follows
+        # to its resources) can touch one; asking the others costs a failed attribute lookup
+        # each, seconds on a ResNet50 step.
+        resources = (auto_control_deps._get_resource_inputs(op)  # pylint: disable=protected-access
+                     if any(t.dtype in (tf.resource, tf.variant) for t in op.inputs) else ())
+        for handle, kind in resources:
             key = handle.ref()
             if key in touched:
                 continue
@@ -350,25 +354,29 @@ def is_replayable(op: tf.Operation) -> bool:
 
 
 def _is_check(op: tf.Operation) -> bool:
-    """A check (``op_types.CHECK_OP_TYPES``), or a cond whose branches run only checks and
-    stateless ops: TF2's ``tf.debugging.assert_*`` guard their ``Assert`` with a stateful
-    ``If`` (``AssertGuard``)."""
+    """A check (``op_types.CHECK_OP_TYPES``), or a cond or function call that runs only checks
+    and stateless ops: TF2's ``tf.debugging.assert_*`` guard their ``Assert`` with a stateful
+    ``If`` (``AssertGuard``), which a trace may also build as a call of its branch."""
     if op.type in op_types.CHECK_OP_TYPES:
         return True
-    if op.type != op_types.STATEFUL_COND_OP_TYPE:  # a StatelessIf is replayable anyway
-        return False
     try:
-        nodes = [node for branch in ("then_branch", "else_branch")
-                 for node in _function_nodes(op.graph, op.get_attr(branch).name)]
+        if op.type == op_types.STATEFUL_COND_OP_TYPE:  # a StatelessIf is replayable anyway
+            names = [op.get_attr("then_branch").name, op.get_attr("else_branch").name]
+        elif op.type in op_types.FUNCTION_CALL_OP_TYPES:
+            names = [op.get_attr("f").name]
+        else:
+            return False
     except (AttributeError, ValueError):
         return False
+    # Calls' and conds' own types are left out: what they run is listed.
+    containers = op_types.FUNCTION_CALL_OP_TYPES | op_types.COND_OP_TYPES
+    run = [t for t in _op_types_in_functions(op.graph, names) if t not in containers]
 
     def stateless(op_type: str) -> bool:
         op_def = op_def_registry.get(op_type)
         return op_def is not None and not op_def.is_stateful
 
-    return bool(nodes) and all(node.op in op_types.CHECK_OP_TYPES or stateless(node.op)
-                               for node in nodes)
+    return bool(run) and all(t in op_types.CHECK_OP_TYPES or stateless(t) for t in run)
 
 
 def _function_nodes(graph, name: str) -> list:
@@ -383,15 +391,22 @@ def _function_nodes(graph, name: str) -> list:
 
 def _called_op_types(call: tf.Operation) -> list[str]:
     """Op types inside the function a call op runs, nested calls included."""
+    return _op_types_in_functions(call.graph, [call.get_attr("f").name])
+
+
+def _op_types_in_functions(graph, names: Sequence[str]) -> list[str]:
+    """Op types inside the graph functions ``names`` (as ``graph`` sees them), and inside the
+    functions their ops run: calls, and the branches and bodies of conds and loops (a second
+    gradient tape wraps a cond in a call of a function holding it)."""
     nodes_of: dict[str, list] = {}
 
     def called_functions(name: str) -> list[str]:
-        nodes_of[name] = _function_nodes(call.graph, name)
-        return [node.attr["f"].func.name for node in nodes_of[name]
-                if node.op in op_types.FUNCTION_CALL_OP_TYPES]
+        nodes_of[name] = _function_nodes(graph, name)
+        return [value.func.name for node in nodes_of[name] for value in node.attr.values()
+                if value.HasField("func")]
 
-    names = list(walk([call.get_attr("f").name], called_functions))
-    return [node.op for name in names for node in nodes_of[name]]
+    found = list(walk(names, called_functions))
+    return [node.op for name in found for node in nodes_of[name]]
 
 
 def loop_body_has_custom_gradient(loop: tf.Operation) -> bool:

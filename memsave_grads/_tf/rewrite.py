@@ -13,6 +13,7 @@ from typing import Mapping, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.eager import execute
 from tensorflow.python.ops import control_flow_util_v2
 
 from memsave_grads._tf import ordering
@@ -100,8 +101,21 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
                 if hasattr(new, attr):
                     delattr(new, attr)
             _give_own_functions(new)
+            _record_on_tapes(new)
             copies[op] = new
     return copies
+
+
+def _record_on_tapes(op: tf.Operation) -> None:
+    """Record a copy on the gradient tapes recording now, as TensorFlow's own op wrappers
+    record every op they make (``Graph._create_op_internal`` does not): a second tape around
+    ``recompute``'s gradient (a gradient of a gradient) must see that the replayed values
+    depend on the function's inputs, or it misses that part of the second derivative."""
+    if not op.outputs or not execute.must_record_gradient():
+        return
+    attrs = tuple(item for name in op.node_def.attr if not name.startswith("_")
+                  for item in (name, op.get_attr(name)))
+    execute.record_gradient(op.type, list(op.inputs), attrs, list(op.outputs))
 
 
 def _wait_for_arrival(op: tf.Operation, inputs: list, arrival: tf.Tensor, waiting: dict,

@@ -297,6 +297,7 @@ def _try_here(request: dict) -> dict:
         return _check_here(request)
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import memsave_grads as mg  # pylint: disable=import-outside-toplevel
+    from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
     _cap_allocator(request["limit_mib"], request.get("reserve_limit", False))
     method = request["method"]
     device = measure.default_device()
@@ -311,6 +312,9 @@ def _try_here(request: dict) -> dict:
         else:
             kind, target, data = build(*arguments)
         if kind == "keras":
+            if method == KERAS_REMAT and keras_lib.keras_version(target) != keras_lib.KERAS3:
+                # RematScope leaves a tf_keras model as it is: that row would be stock fit's.
+                return {"fits": False, "error": "keras.RematScope applies to Keras 3 models only"}
             if method not in (PLAIN, KERAS_REMAT):
                 strategy = method.removesuffix(EARLY_RELEASE)
                 mg.wrap_model(target, checkpoints=strategy, fallback="warn",

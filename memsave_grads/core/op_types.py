@@ -70,9 +70,10 @@ FEED_OP_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault"})
 #: assert recomputes; issue 17's outside check).
 CHECK_OP_TYPES = frozenset({"CheckNumerics", "CheckNumericsV2", "Assert"})
 
-#: A TF2 cond (cond_v2) that TensorFlow marks stateful: still replayable where its branches
-#: run only checks and stateless ops.
+#: TF2 conds (cond_v2); the first is the one TensorFlow marks stateful, still replayable where
+#: its branches run only checks and stateless ops.
 STATEFUL_COND_OP_TYPE = "If"
+COND_OP_TYPES = frozenset({STATEFUL_COND_OP_TYPE, "StatelessIf"})
 
 #: Op types whose output depends only on the *shape* of their input, never on its values: what
 #: is computed from them (shape arithmetic, a dropout mask drawn for a dynamic batch size) is
