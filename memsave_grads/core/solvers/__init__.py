@@ -40,8 +40,8 @@ from absl import logging
 
 from memsave_grads import errors
 from memsave_grads.core import budgets
+from memsave_grads.core import fast_replay
 from memsave_grads.core import graph as graph_lib
-from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import planners
 from memsave_grads.core.solvers import problem as problem_lib
@@ -101,7 +101,7 @@ def memory_plan(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     """
     started = time.perf_counter()
     lowest = planners.frontier_cuts(graph, must_keep, candidates, not_replayed)
-    if lowest is None or lowest.predicted_peak_bytes >= memory_model.plain_peak_bytes(graph):
+    if lowest is None or lowest.predicted_peak_bytes >= fast_replay.plain_peak_bytes(graph):
         return lowest
     problem = problem_lib.BudgetProblem(
         graph=graph, budget_bytes=lowest.predicted_peak_bytes, must_keep=frozenset(must_keep),
@@ -125,7 +125,7 @@ def tradeoff(problem: problem_lib.BudgetProblem, points: int = 12,
     the smallest feasible peak to plain ``tf.gradients``' peak, dominated plans dropped."""
     low = planners.frontier_cuts(problem.graph, problem.must_keep, problem.candidates,
                                  problem.not_replayed)
-    high = memory_model.plain_peak_bytes(problem.graph)
+    high = fast_replay.plain_peak_bytes(problem.graph)
     low_bytes = low.predicted_peak_bytes if low is not None else high
     plans = []
     for i in range(points):

@@ -4,7 +4,8 @@ One contract (design note "budget solvers"): a :class:`BudgetProblem` in (graph 
 what may or must be kept), a :class:`~memsave_grads.core.plan.Plan` out. Every solver scores
 plans with the same static models, so their answers are comparable:
 
-* **peak**: :func:`memory_model.plan_peak_bytes`, the replay of forward + backward in bytes;
+* **peak**: :func:`memory_model.plan_peak_bytes`, the replay of forward + backward in bytes
+  (computed by ``fast_replay``, which gives the same number faster);
 * **recompute cost**: the sum of :meth:`ForwardGraph.cost_of` over the nodes the rewrite
   recomputes (FLOPs from static shapes by default; seconds when calibrated from a profile with
   ``budgets.calibrated_costs``). Each node is recomputed at most once (design note "single
@@ -20,11 +21,10 @@ from typing import Iterable
 
 from memsave_grads import errors
 from memsave_grads.core import budgets
+from memsave_grads.core import fast_replay
 from memsave_grads.core import graph as graph_lib
-from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import planners
-from memsave_grads.core import schedule as schedule_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,8 @@ class BudgetProblem:
       must_keep: nodes kept whatever the plan (stateful ops, intermediate ``xs``).
       candidates: nodes a plan may keep (``must_keep`` included implicitly).
       not_replayed: kept nodes whose segment is never copied (stateful ops).
+      deadline_seconds: how long the anytime solvers (``"dp"``, ``"milp"``) may search before
+        they answer with the best plan found; None: each solver's default.
     """
 
     graph: graph_lib.ForwardGraph
@@ -44,6 +46,7 @@ class BudgetProblem:
     must_keep: frozenset = frozenset()
     candidates: frozenset | None = None
     not_replayed: frozenset = frozenset()
+    deadline_seconds: float | None = None
 
     def __post_init__(self):
         if self.candidates is None:
@@ -58,18 +61,17 @@ class BudgetProblem:
 
 def score(problem: BudgetProblem, kept: Iterable[int]) -> tuple[frozenset, int, float]:
     """Close ``kept`` (single ownership, ``must_keep`` added) and return it with its predicted
-    peak and recompute cost."""
-    closed = graph_lib.close_segments(problem.graph, set(kept) | problem.must_keep)
-    sched = schedule_lib.build(problem.graph, closed, problem.not_replayed)
-    cost = sum(problem.graph.cost_of(v) for v in sched.recomputed_nodes())
-    peak = memory_model.replay(problem.graph, sched)[0]
-    return frozenset(closed), peak, cost
+    peak and recompute cost (the replay's, through ``fast_replay``: the same numbers, a plan
+    in a few milliseconds on thousands of ops; design note "planning cost")."""
+    closed = frozenset(graph_lib.close_segments(problem.graph, set(kept) | problem.must_keep))
+    peak, cost = fast_replay.replayer(problem.graph, problem.not_replayed).score(closed)
+    return closed, peak, cost
 
 
 def infeasible(problem: BudgetProblem, smallest_peak_bytes: int,
                solver: str) -> errors.InfeasibleBudgetError:
     """The error for a budget no plan meets, stating the smallest predicted peak reached."""
-    plain_bytes = memory_model.plain_peak_bytes(problem.graph)
+    plain_bytes = fast_replay.plain_peak_bytes(problem.graph)
     error = errors.InfeasibleBudgetError(
         f"checkpoints: the budget of {budgets.format_bytes(problem.budget_bytes)} "
         f"({problem.budget_bytes} bytes) is below the smallest peak the solver found: "

@@ -185,7 +185,7 @@ def solve_revolve(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
     """
     started = time.perf_counter()
     graph = problem.graph
-    search = planners.CutSearch(graph, problem.must_keep, problem.candidates)
+    search = planners.CutSearch.of(graph, problem.must_keep, problem.candidates)
     positions = search.positions(REVOLVE_MAX_POSITIONS)
     chain = _Chain(problem, search, positions)
     best, smallest = None, math.inf
