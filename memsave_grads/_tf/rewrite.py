@@ -101,12 +101,12 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
                 if hasattr(new, attr):
                     delattr(new, attr)
             _give_own_functions(new)
-            _record_on_tapes(new)
+            record_on_tapes(new)
             copies[op] = new
     return copies
 
 
-def _record_on_tapes(op: tf.Operation) -> None:
+def record_on_tapes(op: tf.Operation) -> None:
     """Record a copy on the gradient tapes recording now, as TensorFlow's own op wrappers
     record every op they make (``Graph._create_op_internal`` does not): a second tape around
     ``recompute``'s gradient (a gradient of a gradient) must see that the replayed values
