@@ -18,6 +18,9 @@ from memsave_grads import api
 from memsave_grads import errors
 from memsave_grads.core import memory_model
 from memsave_grads.core import schedule as schedule_lib
+from memsave_grads.keras import checks as keras_checks
+from memsave_grads.keras import flavour as keras_flavour
+from memsave_grads.keras import tracing as keras_tracing
 
 _MIB = 1024 * 1024
 
@@ -180,14 +183,6 @@ def _names(names, limit: int = 6) -> str:
     return shown + (f", ... {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _is_keras_model(value) -> bool:
-    """A Keras 2 or 3 model, told by its class's modules (imports no Keras)."""
-    from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
-    modules = keras_lib._class_modules(value)  # pylint: disable=protected-access
-    return any(m.split(".")[0] in ("keras", "tf_keras") for m in modules) and hasattr(
-        value, "trainable_weights")
-
-
 @tf.autograph.experimental.do_not_convert
 def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "memory", *,
             batch_size: int = 32, sequence_length: int | None = None, data=None,
@@ -210,21 +205,17 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
         print(memsave_grads.explain(loss, model.trainable_variables, checkpoints="memory"))
         print(memsave_grads.explain(keras_model, checkpoints="memory", batch_size=64))
     """
-    if _is_keras_model(ys):
+    if keras_flavour.is_keras_model(ys):
         if xs is not None or tf_gradients_kwargs:
             raise errors.InvalidArgumentError(
                 "xs: explain(model) explains the gradients of the model's loss with respect to "
                 f"its trainable weights; got xs={xs!r:.60} and options "
                 f"{sorted(tf_gradients_kwargs)}. Leave them out (or pass the loss tensor and "
                 "the variables instead of the model).")
-        from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
         _validate.check_batch_size(batch_size)
-        if not isinstance(release_gradients_early, bool):
-            raise errors.InvalidTypeError(
-                f"release_gradients_early: expected True or False, got "
-                f"{type(release_gradients_early).__name__}: {release_gradients_early!r:.60}.")
-        keras_lib.check_trainable(ys, keras_lib.keras_version(ys), "explain")
-        return keras_lib.trace_training_step(
+        _validate.check_bool(release_gradients_early, "release_gradients_early")
+        keras_checks.check_trainable(ys, keras_flavour.flavour_of(ys), "explain")
+        return keras_tracing.trace_training_step(
             ys, lambda loss, weights: explain(loss, weights, checkpoints),
             batch_size=batch_size, sequence_length=sequence_length, data=data,
             release_gradients_early=release_gradients_early)

@@ -445,6 +445,13 @@ def check_fallback(fallback) -> None:
             f"fallback: expected one of {list(FALLBACKS)}, got {fallback!r}.")
 
 
+def check_bool(value, name: str) -> None:
+    """Refuse a flag other than True or False (1 and None included: a typo, not a choice)."""
+    if not isinstance(value, bool):
+        raise errors.InvalidTypeError(
+            f"{name}: expected True or False, got {type(value).__name__}: {value!r:.60}.")
+
+
 def check_batch_size(batch_size, name: str = "batch_size", allow_none: bool = False) -> None:
     """Refuse a batch size other than a positive int (or None where ``allow_none``)."""
     if batch_size is None and allow_none:

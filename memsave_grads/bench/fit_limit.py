@@ -264,9 +264,9 @@ def _check_here(request: dict) -> dict:
         if kind == "step":
             return {"kind": "step"}
         from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
-        version = keras_lib.keras_version(target)
-        keras_lib.check_trainable(target, version, "fit-limit")
-        return {"kind": "keras", "keras": version}
+        flavour = keras_lib.flavour_of(target)
+        keras_lib.check_trainable(target, flavour, "fit-limit")
+        return {"kind": "keras", "keras": flavour.name}
     except Exception as e:  # pylint: disable=broad-except  # the user's model, reported whole
         return {"error": error_text(e)}
 
