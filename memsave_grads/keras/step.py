@@ -13,7 +13,6 @@ from absl import logging
 from memsave_grads import _validate
 from memsave_grads import api
 from memsave_grads._tf import graph as tf_graph
-from memsave_grads.core import budgets
 from memsave_grads.keras import cells
 from memsave_grads.keras import checks
 from memsave_grads.keras import flavour as flavour_lib
@@ -24,7 +23,8 @@ from memsave_grads.keras.flavour import Flavour
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """The options of one training step (:func:`train_step`'s, and what ``wrap_model``
-    keeps for its step): see :func:`train_step` for each."""
+    keeps for its step): see :func:`train_step` for each. ``checkpoints`` as given, or as
+    ``_validate.check_checkpoints`` parsed it (``wrap_model`` parses it once)."""
 
     checkpoints: object = "memory"
     fallback: str = "warn"
@@ -105,6 +105,9 @@ def run_step(model, flavour: Flavour, data, options: StepOptions):
     checks.check_traced(model)
     if options.release_gradients_early:
         updates.check_early_release(model, flavour)
+    if options.checkpoints is not None:  # None: the plain step
+        options = dataclasses.replace(
+            options, checkpoints=_validate.check_checkpoints(options.checkpoints))
     planned = planned_batch_size(model, data, options.checkpoints, options.batch_size)
     with tf_graph.assumed_batch_size(planned):
         return _traced_step(model, flavour, data, options)
@@ -167,7 +170,7 @@ def planned_batch_size(model, data, checkpoints, batch_size: int | None) -> int 
         return None
     if batch_size is not None:
         return int(batch_size)
-    budget = budgets.as_budget(checkpoints)
+    budget = _validate.check_checkpoints(checkpoints).budget
     calibration = getattr(budget, "calibration", None)
     if calibration is not None and calibration.batch_size is not None:
         return calibration.batch_size

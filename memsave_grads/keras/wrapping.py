@@ -16,6 +16,7 @@ from memsave_grads import api
 from memsave_grads import errors
 from memsave_grads._tf import grappler_options
 from memsave_grads.core import budgets
+from memsave_grads.core.checkpoints import ParsedCheckpoints
 from memsave_grads.keras import batches
 from memsave_grads.keras import calibration
 from memsave_grads.keras import checks
@@ -34,8 +35,9 @@ class WrappedTrainStep:
     def __init__(self, model, flavour: Flavour, options: step_lib.StepOptions):
         self._model = weakref.ref(model)  # no reference cycle through the model's __dict__
         self.flavour = flavour
-        #: What wrap_model was given (the checkpoints as given; see planned_checkpoints).
+        #: What wrap_model was given, its checkpoints parsed (see planned_checkpoints).
         self.options = options
+        self.asked: ParsedCheckpoints = options.checkpoints
         #: The batch size of the running ``fit`` call (_WrappedFit), when it can be read.
         self.fit_batch_size: int | None = None
         #: The batch size the cached training function was planned for.
@@ -55,17 +57,12 @@ class WrappedTrainStep:
         self.traced_key: tuple[int, bool] | None = None
 
     @property
-    def asked_budget(self) -> budgets.Budget | None:
-        """The checkpoints given to wrap_model, where they are a budget."""
-        return budgets.as_budget(self.options.checkpoints)
-
-    @property
     def batch_size(self) -> int | None:
         """The batch size given to wrap_model."""
         return self.options.batch_size
 
     def needs_calibration(self) -> bool:
-        budget = self.asked_budget
+        budget = self.asked.budget
         return budget is not None and budget.calibrate and budget.calibration is None
 
     def forget_calibrations_if_recompiled(self) -> None:
@@ -85,14 +82,14 @@ class WrappedTrainStep:
         """The checkpoints the next trace plans with: a budget asking for calibration is
         replaced by its calibration for the batch ``fit``/``train_on_batch`` runs."""
         if not self.needs_calibration():
-            return self.options.checkpoints
+            return self.asked
         self.forget_calibrations_if_recompiled()  # traced by a path that calibrated nothing
         if self.calibration_key in self.calibrated:
             return self.calibrated[self.calibration_key]  # None: plain tf.gradients measured least
         # Traced by a path that ran nothing first (evaluate's or a custom loop's call of
         # make_train_function, fit with batches whose size cannot be read): planned on the
         # prediction; _calibrate_for_batch said why, or says so here once.
-        uncalibrated = dataclasses.replace(self.asked_budget, calibrate=False)
+        uncalibrated = dataclasses.replace(self.asked.budget, calibrate=False)
         if self not in _WARNED_UNCALIBRATED:
             _WARNED_UNCALIBRATED.add(self)
             logging.warning(
@@ -106,9 +103,10 @@ class WrappedTrainStep:
         """The batch size the next trace plans for where it leaves the batch unknown: a
         calibrated budget's own (the batch it was measured on), else the one given to
         wrap_model, else the one fit or train_on_batch read (None: per example)."""
-        calibrated = getattr(budgets.as_budget(self.planned_checkpoints()), "calibration", None)
-        if self.needs_calibration() and calibrated is not None and calibrated.batch_size:
-            return calibrated.batch_size
+        if self.needs_calibration():  # planned: a calibrated budget, or None (plain)
+            calibrated = getattr(self.planned_checkpoints(), "calibration", None)
+            if calibrated is not None and calibrated.batch_size:
+                return calibrated.batch_size
         return self.batch_size or self.fit_batch_size
 
     def __call__(self, data):
@@ -122,7 +120,7 @@ class WrappedTrainStep:
 
     def __repr__(self):
         o = self.options
-        return (f"<memsave_grads train_step checkpoints={o.checkpoints!r} "
+        return (f"<memsave_grads train_step checkpoints={self.asked.given!r} "
                 f"fallback={o.fallback!r} recompute_cells={o.recompute_cells!r} "
                 f"release_gradients_early={o.release_gradients_early!r} "
                 f"batch_size={o.batch_size!r}>")
@@ -226,8 +224,8 @@ def _retrace_if_replanned(model, step: WrappedTrainStep) -> None:
 
 
 def _describe_checkpoints(checkpoints) -> str:
-    budget = budgets.as_budget(checkpoints)
-    return budget.describe() if budget is not None else repr(checkpoints)
+    """A step's planned checkpoints (parsed, a calibrated budget, or None) for a message."""
+    return checkpoints.describe() if checkpoints is not None else repr(checkpoints)
 
 
 def _calibrate_for_batch(model, step: WrappedTrainStep, batch, static: bool,
@@ -237,7 +235,7 @@ def _calibrate_for_batch(model, step: WrappedTrainStep, batch, static: bool,
     it (``static``: with its batch size in the shapes), unless already done for its size; where
     it cannot be, plan on the prediction (``fallback="warn"``: one warning) or raise
     (``"error"``)."""
-    asked = step.asked_budget
+    asked = step.asked.budget
     step.forget_calibrations_if_recompiled()
     if batch is not None:
         examples = batches.leading_dimension(batch[0])
@@ -369,14 +367,14 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
       MissingDependencyError: its Keras package cannot be imported.
     """
     flavour = flavour_lib.flavour_of(model)
-    checks.check_options(checkpoints, fallback, can_calibrate=True)
+    parsed = checks.check_options(checkpoints, fallback, can_calibrate=True)
     step_lib.check_flags(recompute_cells, release_gradients_early)
     _validate.check_batch_size(batch_size, allow_none=True)
     checks.check_model(model, flavour, "wrap_model")
     if release_gradients_early:
         updates.check_early_release(model, flavour)
     step = WrappedTrainStep(model, flavour, step_lib.StepOptions(
-        checkpoints, fallback, recompute_cells, release_gradients_early, batch_size))
+        parsed, fallback, recompute_cells, release_gradients_early, batch_size))
     if step.needs_calibration():
         checks.check_calibration_possible(model)
     if is_wrapped(model):
