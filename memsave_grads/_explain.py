@@ -114,18 +114,18 @@ class PlanReport:
             + (f" ({_names(self.checkpoint_names)})" if self.checkpoint_names else ""),
             f"  kept as well: {self.kept_anyway} ops (stateful ops, variable reads, xs, and "
             "ops two segments would share)",
-            f"  kept activations: {_report_bytes(self.kept_bytes)}",
+            f"  kept activations: {_size(self.kept_bytes)}",
             f"  top segment (not recomputed): {self.top_segment_ops} ops",
             f"  recomputed: {_count(recomputed, 'op')} in "
             f"{_count(len(self.levels), 'backward level')}"
             + (f"; largest level {_count(largest.recomputed_ops, 'op')}, "
-               f"{_report_bytes(largest.recomputed_bytes)} of outputs (not all alive at once)"
+               f"{_size(largest.recomputed_bytes)} of outputs (not all alive at once)"
                if largest else ""),
             f"  recomputed FLOPs: {self.recompute_flops:.3g} ({self.recompute_fraction:.0%} of the "
             "forward pass)",
-            f"  predicted peak: {_report_bytes(self.predicted_peak_bytes)} vs tf.gradients "
-            f"{_report_bytes(self.predicted_plain_peak_bytes)} ({_saving(self.predicted_saving)})"
-            + (f"; budget {_report_bytes(self.budget_bytes)}" if self.budget_bytes is not None else ""),
+            f"  predicted peak: {_size(self.predicted_peak_bytes)} vs tf.gradients "
+            f"{_size(self.predicted_plain_peak_bytes)} ({_saving(self.predicted_saving)})"
+            + (f"; budget {_size(self.budget_bytes)}" if self.budget_bytes is not None else ""),
         ]
         if self.plan_reason:
             lines.insert(1, f"  planner: {self.planner} ({self.plan_reason})")
@@ -136,9 +136,9 @@ class PlanReport:
                 f"of their own, up to {max(lv.depth for lv in nested)} recomputation levels deep")
         if self.scratch_bytes and self.decided_plan_peak_bytes is not None:
             lines.append(
-                f"  with the gradient kernels' scratch (up to {_report_bytes(self.scratch_bytes)} at one "
-                f"backward step): {_report_bytes(self.decided_plan_peak_bytes)} vs tf.gradients "
-                f"{_report_bytes(self.decided_plain_peak_bytes)}")
+                f"  with the gradient kernels' scratch (up to {_size(self.scratch_bytes)} at one "
+                f"backward step): {_size(self.decided_plan_peak_bytes)} vs tf.gradients "
+                f"{_size(self.decided_plain_peak_bytes)}")
         if self.schedule_reason:
             lines.append(("  schedule: this plan: " if self.rewrite else
                           "  schedule: plain tf.gradients, not this plan: ")
@@ -160,7 +160,7 @@ def _depth(model, sched, kept_nodes) -> int:
     return 1 + max((_depth(model, nested, lv.nodes) for lv in nested.levels), default=0)
 
 
-def _report_bytes(nbytes: int) -> str:
+def _size(nbytes: int) -> str:
     return budgets.format_bytes(nbytes, "report")
 
 
