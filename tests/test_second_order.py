@@ -17,6 +17,7 @@ when the module ends, and :func:`error_table` returns it.
 """
 
 import collections
+import dataclasses
 import re
 
 import numpy as np
@@ -141,7 +142,7 @@ def _forced_nested_gradients(ys, xs, name):
     candidates, must_keep, not_replayed = ctx.node_sets()
     plan = multilevel.balanced_plan(ctx.model, must_keep, candidates, 2, not_replayed)
     assert plan.levels == 2, f"{name}: no 2-level plan on {len(ctx.region)} ops"
-    prepared.scope = name
+    prepared.arguments = dataclasses.replace(prepared.arguments, scope=name)
     return api.run_plan(prepared, plan)
 
 
