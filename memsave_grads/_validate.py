@@ -12,8 +12,9 @@ One function owns each check and its message:
   normalised into :class:`Arguments` (variables turned into the tensors tf.gradients
   differentiates, xs of enclosing graphs resolved to the placeholders that captured them);
 - :func:`check_checkpoints`: the *form* of ``checkpoints=`` (strategy names, budgets, lists of
-  tensors or name patterns); what needs the graph (a tensor of another graph, a pattern that
-  matches nothing) is checked by ``_tf.selection.select_explicit``;
+  tensors or name patterns), parsed once into the ``ParsedCheckpoints`` that the planner reads
+  its kind from; what needs the graph (a tensor of another graph, a pattern that matches
+  nothing) is checked by ``_tf.selection.select_explicit``;
 - :func:`check_deferred_options`: what ``patch()`` and ``wrap_model()`` can check before any
   graph exists.
 """
@@ -32,6 +33,7 @@ from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import selection
 from memsave_grads.core import budgets
 from memsave_grads.core import policies
+from memsave_grads.core.checkpoints import ParsedCheckpoints
 
 #: Keyword arguments of tf.gradients we pass through (``name`` included).
 TF_GRADIENTS_KWARGS = ("name", "gate_gradients", "aggregation_method", "stop_gradients",
@@ -367,10 +369,11 @@ def _accepted_checkpoints(tensors_allowed: bool) -> str:
 
 
 def check_checkpoints(checkpoints, tensors_unavailable: str | None = None,
-                      can_calibrate: bool = False) -> None:
+                      can_calibrate: bool = False) -> ParsedCheckpoints:
     """Refuse a ``checkpoints=`` argument of the wrong form (one message per mistake, whoever
     the caller): an unknown strategy name, a malformed budget, an empty list, a list item that
-    is neither a graph tensor nor a well-formed name pattern, or another type.
+    is neither a graph tensor nor a well-formed name pattern, or another type. Returns it
+    parsed, to be passed on (an argument parsed already is returned as it is).
 
     Args:
       checkpoints: as given to ``gradients()``, ``patch()`` or ``wrap_model()``.
@@ -379,27 +382,28 @@ def check_checkpoints(checkpoints, tensors_unavailable: str | None = None,
       can_calibrate: whether the caller runs the training step before it trains, so that a
         budget asking for calibration can be measured there (``wrap_model``).
     """
-    tensors_allowed = tensors_unavailable is None
-    if budgets.is_budget_string(checkpoints):
-        checkpoints = budgets.Budget.parse(checkpoints)
-    if isinstance(checkpoints, budgets.Budget):  # its values were checked when it was made
-        if checkpoints.calibrate and checkpoints.calibration is None and not can_calibrate:
+    if isinstance(checkpoints, ParsedCheckpoints):
+        return checkpoints
+    given, tensors_allowed = checkpoints, tensors_unavailable is None
+    budget = budgets.as_budget(checkpoints)
+    if budget is not None:  # its values were checked when it was made
+        if budget.calibrate and budget.calibration is None and not can_calibrate:
             raise errors.InvalidArgumentError(
                 f"checkpoints: expected a budget this call can plan, got one asking for "
-                f"calibration ({checkpoints.describe()}), which is measured by running the "
+                f"calibration ({budget.describe()}), which is measured by running the "
                 "whole training step under several plans before it trains; here only one "
                 "gradient computation is seen, while it is traced. Calibrate "
                 "the step first and pass the result: budget = memsave_grads.calibrate_budget("
                 "model_or_step, budget) (design note \"calibrated budgets\"), or train a Keras "
                 "model with memsave_grads.wrap_model(model, budget), whose fit calibrates it.")
-        return
+        return ParsedCheckpoints(given, budget=budget)
     if isinstance(checkpoints, str):
         if checkpoints not in selection.STRATEGIES:
             raise errors.UnknownStrategyError(
                 f"checkpoints: unknown strategy {checkpoints!r}. Expected "
                 f"{_accepted_checkpoints(tensors_allowed)}; a single name pattern must be "
                 "wrapped in a list.")
-        return
+        return ParsedCheckpoints(given, strategy=checkpoints)
     if tensors_allowed and isinstance(checkpoints, tf.Tensor):
         checkpoints = [checkpoints]
     if not isinstance(checkpoints, (list, tuple)):
@@ -413,6 +417,7 @@ def check_checkpoints(checkpoints, tensors_unavailable: str | None = None,
             f"({', '.join(sorted(selection.STRATEGIES))}) or a budget ('budget:50%').")
     for position, item in enumerate(checkpoints):
         _check_checkpoint_item(item, f"checkpoints[{position}]", tensors_unavailable)
+    return ParsedCheckpoints(given, items=tuple(checkpoints))
 
 
 def _check_checkpoint_item(item, where: str, tensors_unavailable: str | None) -> None:
@@ -445,6 +450,13 @@ def check_fallback(fallback) -> None:
             f"fallback: expected one of {list(FALLBACKS)}, got {fallback!r}.")
 
 
+def check_bool(value, name: str) -> None:
+    """Refuse a flag other than True or False (1 and None included: a typo, not a choice)."""
+    if not isinstance(value, bool):
+        raise errors.InvalidTypeError(
+            f"{name}: expected True or False, got {type(value).__name__}: {value!r:.60}.")
+
+
 def check_batch_size(batch_size, name: str = "batch_size", allow_none: bool = False) -> None:
     """Refuse a batch size other than a positive int (or None where ``allow_none``)."""
     if batch_size is None and allow_none:
@@ -459,9 +471,9 @@ def check_batch_size(batch_size, name: str = "batch_size", allow_none: bool = Fa
 
 
 def check_deferred_options(checkpoints, fallback, tensors_unavailable: str | None = None,
-                           can_calibrate: bool = False) -> None:
+                           can_calibrate: bool = False) -> ParsedCheckpoints:
     """What ``patch()`` and ``wrap_model()`` can check before any graph exists, so that a
     mistake surfaces where it was made rather than at the first gradient: ``fallback`` and the
-    form of ``checkpoints`` (see :func:`check_checkpoints`)."""
+    form of ``checkpoints`` (see :func:`check_checkpoints`), which it returns parsed."""
     check_fallback(fallback)
-    check_checkpoints(checkpoints, tensors_unavailable, can_calibrate)
+    return check_checkpoints(checkpoints, tensors_unavailable, can_calibrate)

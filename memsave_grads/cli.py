@@ -133,7 +133,7 @@ def _checkpoints_list(text: str) -> list[str]:
 
 def _model_source(text: str) -> str:
     """A model the fit-limit and explain commands can load (checked without loading it)."""
-    from memsave_grads.bench import fit_limit  # pylint: disable=import-outside-toplevel
+    from memsave_grads import fit_limit  # pylint: disable=import-outside-toplevel
     try:
         fit_limit.describe_source(text)
     except ValueError as e:

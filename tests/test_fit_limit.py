@@ -1,4 +1,4 @@
-"""fit-limit (memsave_grads/bench/fit_limit.py): its search and table against fake tries, its
+"""fit-limit (memsave_grads/fit_limit.py): its search and table against fake tries, its
 model argument, tries in their own capped processes, and the whole command (slow); and
 explain(model) for Keras models."""
 
@@ -11,7 +11,7 @@ import pytest
 
 import memsave_grads as mg
 from memsave_grads import measure
-from memsave_grads.bench import fit_limit
+from memsave_grads import fit_limit
 
 
 def _fake(limit):
@@ -265,7 +265,7 @@ def test_a_capped_cpu_allocator_needs_its_limit_as_one_region(reserve):
 def test_a_try_reserves_the_limit_only_when_asked(monkeypatch):
     """``attempt(..., reserve_limit=True)`` asks the child to reserve; by default it does not
     (the README's fit-limit rows were measured with a growing allocator)."""
-    from memsave_grads.bench import child  # pylint: disable=import-outside-toplevel
+    from memsave_grads import _child as child  # pylint: disable=import-outside-toplevel
     requests = []
 
     def fake_run(module, request, env=None, timeout_s=None):
@@ -299,7 +299,7 @@ def test_a_crash_under_the_cap_is_memory_only_if_the_try_runs_without_it(monkeyp
     ResNet50 at batch 64 under 600 MiB): such a try is out of memory if it runs uncapped, a
     failure (which stops the search) if it crashes there too. The child's last stderr line is
     then TensorFlow's last log line, so the signal is reported instead."""
-    from memsave_grads.bench import child  # pylint: disable=import-outside-toplevel
+    from memsave_grads import _child as child  # pylint: disable=import-outside-toplevel
     calls = []
 
     def fake_run(module, request, env=None, timeout_s=None):
@@ -562,7 +562,7 @@ def test_keras_remat_failing_is_an_answer_not_the_command_s_failure(monkeypatch,
 def test_a_check_the_machine_killed_does_not_stop_the_search(monkeypatch):
     """The build before the search runs without a cap: killed (the machine's own memory) or
     past its time, it says nothing about the model, and the search goes on."""
-    from memsave_grads.bench import child  # pylint: disable=import-outside-toplevel
+    from memsave_grads import _child as child  # pylint: disable=import-outside-toplevel
     for outcome in (child.ChildRun(None, -9, ""), child.ChildRun(None, None, "", True)):
         monkeypatch.setattr(child, "run", lambda *a, outcome=outcome, **k: outcome)
         assert fit_limit.check(f"{MODELS}:residual_mlp", 8) is None

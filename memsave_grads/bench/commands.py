@@ -18,9 +18,9 @@ from absl import logging
 
 from memsave_grads import _explain as explain_lib
 from memsave_grads import errors
+from memsave_grads import fit_limit
 from memsave_grads import keras as mg_keras
 from memsave_grads import measure
-from memsave_grads.bench import fit_limit
 from memsave_grads.bench import harness
 from memsave_grads.bench import models
 from memsave_grads.bench import solvers as bench_solvers

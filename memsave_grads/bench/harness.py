@@ -36,7 +36,7 @@ from memsave_grads._tf import graph as tf_graph
 from memsave_grads import errors
 from memsave_grads import _explain as explain_lib
 from memsave_grads import measure
-from memsave_grads.bench import tables
+from memsave_grads import _tables as tables
 from memsave_grads.bench.models import ModelSpec
 from memsave_grads.core import budgets
 from memsave_grads.core import calibration as core_calibration

@@ -3,7 +3,7 @@ memory limit, with plain ``tf.gradients`` and with each memsave_grads strategy.
 
 The question a user brings is not "how many MiB" but "how much larger can I train". This
 module answers it the only honest way: it tries. Every try is one fresh process
-(``python -m memsave_grads.bench.fit_limit REQUEST``) whose allocator is capped before
+(``python -m memsave_grads.fit_limit REQUEST``) whose allocator is capped before
 TensorFlow starts: on CPU with ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` (the BFC allocator then refuses
 what would pass the limit; it grows in regions of doubling size, as a GPU's does with memory
 growth on, unless ``reserve_limit`` takes the whole limit as one region first, as a GPU's does
@@ -45,8 +45,8 @@ import time
 from typing import Callable, Sequence
 
 from memsave_grads import measure
-from memsave_grads.bench import child
-from memsave_grads.bench import tables
+from memsave_grads import _child as child
+from memsave_grads import _tables as tables
 
 #: The reference method's name, and Keras 3's own rematerialisation.
 PLAIN = "tf.gradients"
@@ -264,9 +264,9 @@ def _check_here(request: dict) -> dict:
         if kind == "step":
             return {"kind": "step"}
         from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
-        version = keras_lib.keras_version(target)
-        keras_lib.check_trainable(target, version, "fit-limit")
-        return {"kind": "keras", "keras": version}
+        flavour = keras_lib.flavour_of(target)
+        keras_lib.check_trainable(target, flavour, "fit-limit")
+        return {"kind": "keras", "keras": flavour.name}
     except Exception as e:  # pylint: disable=broad-except  # the user's model, reported whole
         return {"error": error_text(e)}
 
