@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import importlib.util
 import os
 import re
@@ -385,6 +386,9 @@ def _prepare_environment() -> None:
 _TF_LOG_LINE = re.compile(r"^([IWEF])\d{4} [\d:.]+ +\d+ [^\s\]]+:\d+\] ")
 #: absl (C++) prints this before its first message when TensorFlow's libraries load.
 _ABSL_PRE_INIT_NOTICE = "WARNING: All log messages before absl::InitializeLog() is called"
+#: Logged as an error on every machine without a GPU driver; it says no more than the INFO line
+#: "Could not find cuda drivers" before it, so it counts as INFO.
+_NO_GPU_DRIVER_ERROR = "failed call to cuInit"
 #: TF_CPP_MIN_LOG_LEVEL (0..3) -> the severities it hides (TensorFlow's meaning of the variable).
 _HIDDEN_SEVERITIES = ("", "I", "IW", "IWE")
 
@@ -402,7 +406,11 @@ def _severity(line: str) -> str:
     if line.startswith(_ABSL_PRE_INIT_NOTICE):
         return "W"
     match = _TF_LOG_LINE.match(line)
-    return match.group(1) if match else ""
+    if match is None:
+        return ""
+    if _NO_GPU_DRIVER_ERROR in line:
+        return "I"
+    return match.group(1)
 
 
 @contextlib.contextmanager
@@ -439,12 +447,25 @@ def _start_up_noise_filtered():
             sys.stderr.flush()
 
 
+def _require_tensorflow(parser: argparse.ArgumentParser) -> None:
+    """Exit with status 2 and one line saying what to install where TensorFlow is missing or
+    too old (memsave_grads/_tf/compat.py decides, from the wheel's metadata, without importing
+    it), rather than with a traceback from the first ``import tensorflow``."""
+    try:
+        importlib.import_module("memsave_grads._tf")  # checks the installed TensorFlow
+    except errors.MissingDependencyError as e:
+        parser.exit(2, f"{PROG}: error: {e}\n")
+
+
 def _import_tensorflow() -> None:
     """Import TensorFlow here, once the environment is set, with its start-up noise filtered
     (a later import by the commands then finds it loaded)."""
     if "tensorflow" not in sys.modules:
         with _start_up_noise_filtered():
-            import tensorflow  # pylint: disable=import-outside-toplevel,unused-import  # noqa: F401
+            import tensorflow  # pylint: disable=import-outside-toplevel
+            # Finding the devices ends the start-up: on a machine without a GPU driver it is
+            # what logs cuInit's failure (see _severity).
+            tensorflow.config.list_physical_devices()
 
 
 def _start_logging() -> None:
@@ -477,6 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "fit-limit" and args.start > args.max:
         parser.command_parsers[args.command].error(
             f"argument --start: expected at most --max ({args.max}), got {args.start}")
+    _require_tensorflow(parser)
     _prepare_environment()
     _import_tensorflow()
     _start_logging()
