@@ -29,6 +29,7 @@ from memsave_grads import errors
 from memsave_grads import measure
 from memsave_grads import optimize
 from memsave_grads import recomputation
+from memsave_grads import tape
 from memsave_grads._tf import early_release
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import grappler_options
@@ -170,11 +171,28 @@ def _check_model(model, version: str, action: str) -> None:
             "tf.config.run_functions_eagerly(True)); memsave_grads rewrites the traced graph of "
             "the training step, which eager execution does not build. Compile with "
             "run_eagerly=False.")
-    if type(model).train_step is not _stock_train_step(version):
-        raise errors.InvalidArgumentError(
-            f"model: {action}: {type(model).__qualname__} defines its own train_step, which "
-            "wrap_model would silently replace. Call memsave_grads.keras.train_step(self, data) "
-            "from it, or call memsave_grads.gradients where it calls tape.gradient.")
+
+
+def has_own_train_step(model, version: str) -> bool:
+    """Whether the model's class overrides Keras' ``train_step``: wrap_model then runs that step
+    with its tapes routed (design note "tape routing") instead of replacing it."""
+    return type(model).train_step is not _stock_train_step(version)
+
+
+def _own_train_step(model, data, checkpoints, fallback, recompute_cells: bool,
+                    batch_size: int | None):
+    """The model's own ``train_step`` (its class's), each ``tf.GradientTape`` in it computing its
+    gradient with memsave_grads (``memsave_grads.tape``); None: as it is (a calibration's plain
+    step)."""
+    step = functools.partial(type(model).train_step, model, data)
+    if checkpoints is None:
+        return step()
+    version = keras_version(model)
+    with tf_graph.assumed_batch_size(_planned_batch_size(model, data, checkpoints, batch_size)), (
+            recomputed_recurrent_cells(model) if _recompute_cells_here(model, recompute_cells)
+            else contextlib.nullcontext()):
+        return tape.run_with_routed_tapes(step, checkpoints, fallback,
+                                          caller=f"memsave_grads.keras ({version})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -717,7 +735,11 @@ class _WrappedTrainStep:
         self.traced_key = self.calibration_key
         planned = self.planned_batch_size()
         self.traced_batch_size = planned
-        return train_step(self._model(), data, checkpoints=self.traced_checkpoints,
+        model = self._model()
+        if has_own_train_step(model, keras_version(model)):
+            return _own_train_step(model, data, self.traced_checkpoints, self.fallback,
+                                   self.recompute_cells, planned)
+        return train_step(model, data, checkpoints=self.traced_checkpoints,
                           fallback=self.fallback, recompute_cells=self.recompute_cells,
                           release_gradients_early=self.release_gradients_early,
                           batch_size=planned)
@@ -964,6 +986,9 @@ def _calibration_measure(model, batch_size, sequence_length, data, runs: int,
         # The whole training step, updates included, as wrap_model's fit runs it; "error"
         # hands an infeasible budget to the search, which re-aims it.
         def step(x, y):
+            if has_own_train_step(model, version):
+                return _own_train_step(model, (x, y), planned, "error",
+                                       settings["recompute_cells"], examples)
             return train_step(model, (x, y), checkpoints=planned, fallback="error",
                               batch_size=examples, **settings)
         concrete = tf.function(step, autograph=False).get_concrete_function(*specs)
@@ -1159,6 +1184,12 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
                  release_gradients_early=release_gradients_early)
     _validate.check_batch_size(batch_size, allow_none=True)
     _check_model(model, version, "wrap_model")
+    if release_gradients_early and has_own_train_step(model, version):
+        raise errors.InvalidArgumentError(
+            f"release_gradients_early: {type(model).__qualname__} defines its own train_step, "
+            "which applies the gradients itself, so wrap_model cannot order the updates; wrap "
+            "without release_gradients_early (its tapes are still routed), or call "
+            "memsave_grads.keras.train_step(self, data, release_gradients_early=True) from it.")
     if release_gradients_early:
         _check_early_release(model, version)
     step = _WrappedTrainStep(model, checkpoints, fallback, recompute_cells,

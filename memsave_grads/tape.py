@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import tensorflow as tf
 from absl import logging
@@ -139,14 +139,16 @@ class route_tapes(contextlib.ContextDecorator):  # pylint: disable=invalid-name
         return False
 
 
-@contextlib.contextmanager
-def routed_for_keras(checkpoints, fallback: str):
-    """Routing for a Keras model's own ``train_step`` (``wrap_model``): planned for an
-    optimizer that applies every gradient together, as Keras' do."""
-    routing = start_routing(_checked_routing(checkpoints, fallback, "memsave_grads.keras",
+_T = TypeVar("_T")
+
+
+def run_with_routed_tapes(step: Callable[[], _T], checkpoints, fallback: str, caller: str) -> _T:
+    """``step()`` with every tape's gradient routed, planned for an optimizer that applies the
+    gradients together, as Keras' do: how ``wrap_model`` runs a model's own ``train_step``."""
+    routing = start_routing(_checked_routing(checkpoints, fallback, caller,
                                              gradients_held=True))
     try:
-        yield
+        return step()
     finally:
         stop_routing(routing)
 
