@@ -218,23 +218,52 @@ def target_made_after_the_block(Tape, x):
     return tape.gradient(loss * 2.0, WS, unconnected_gradients="zero")  # not recorded: zeros
 
 
+@tf.function
+def _inner_block(h, w):
+    return h + tf.tanh(tf.matmul(h, w))
+
+
+@tf.custom_gradient
+def _scaled_tanh(h):
+    y = tf.tanh(h)
+    return y, lambda dy: dy * (1.0 - y * y) * 0.5  # half the true derivative, on purpose
+
+
+def control_flow_and_calls(Tape, x):
+    """cond, while_loop, a nested tf.function, a custom gradient and tf.recompute_grad (whose
+    gradient opens a tape of its own) in the recorded forward pass; two tapes, so cond_v2
+    wraps its If for higher-order tape gradients."""
+    with Tape(persistent=True) as tape:
+        h = chain(x, WS[:1])
+        h = tf.cond(tf.reduce_sum(h) > -1e9, lambda: tf.tanh(h) * 2.0, lambda: h)
+        _, h = tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h + tf.tanh(h @ WS[1])),
+                             [tf.constant(0), h])
+        h = _inner_block(h, WS[2])
+        h = _scaled_tanh(h)
+        h = tf.recompute_grad(lambda h: chain(h, WS[3:5]))(h)
+        loss = loss_of(chain(h, WS[5:]))
+    return [tape.gradient(loss, WS), tape.gradient(loss, x, unconnected_gradients="zero")]
+
+
 CASES = [target_made_after_the_block, before_the_with_block, stop_recording, watched_input, unwatched_input, watched_leaf,
          watched_intermediate, watched_after_stop, watch_accessed_variables_off,
          persistent_twice, persistent_inside_its_context, output_gradients, unconnected_zero,
-         gradient_penalty, third_order, reset, sparse, nested_structures, ragged_source]
+         gradient_penalty, third_order, reset, sparse, nested_structures, ragged_source,
+         control_flow_and_calls]
 
 
 # --------------------------------------------------------------------------------------------
 # Running a case
 # --------------------------------------------------------------------------------------------
 
-def _run(case, way: str | None, checkpoints: str = "memory", fallback: str = "error"):
+def _run(case, way: str | None, checkpoints: str = "memory", fallback: str = "error",
+         jit_compile: bool = False):
     """The case's gradients with TensorFlow's tape (``way`` None) or routed; and the graph."""
     tape_class = tf.GradientTape
     if way == "GradientTape":
         tape_class = functools.partial(mg.GradientTape, checkpoints=checkpoints,
                                        fallback=fallback)
-    function = tf.function(lambda x: case(tape_class, x))
+    function = tf.function(lambda x: case(tape_class, x), jit_compile=jit_compile)
     if way == "patch":
         with mg.patch(checkpoints, fallback=fallback):
             concrete = function.get_concrete_function(X)
@@ -293,6 +322,15 @@ def test_same_gradients_as_the_tape(case, checkpoints, way, spy):
     if checkpoints == "speed" and case is not target_made_after_the_block:
         # "speed" keeps the matmuls and recomputes the rest of what the tape recorded
         assert _copies(graph) > 0, "nothing was recomputed"
+
+
+@pytest.mark.parametrize("case", ["plain", "gradient_penalty"])
+def test_under_xla(case, spy):
+    case = {"plain": lambda T, x: _plain(T, x), "gradient_penalty": gradient_penalty}[case]
+    want = _run(case, None, jit_compile=True)[0]
+    got, graph = _run(case, "patch", "speed", jit_compile=True)
+    assert_same_gradients(got, want)
+    assert spy and _copies(graph) > 0
 
 
 # --------------------------------------------------------------------------------------------

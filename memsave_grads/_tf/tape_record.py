@@ -280,7 +280,12 @@ def tape_view(tape, log: TapeLog, targets: Sequence, sources: Sequence) -> TapeV
     slots = [tf_graph.as_seen_from(s, graph) for s in sources]
     queried = [t for op in closure for t in op.outputs if tf_graph.carries_gradients(t)]
     queried += [s for s in slots if s is not None]
-    tracked = {t.ref() for t, yes in zip(queried, tracked_by(tape, queried)) if yes}
+    # A placeholder capturing an eager value (a variable's handle) is asked as that value: the
+    # tape records a variable read, and a call of a function that captured it, against the
+    # eager value itself, not against the placeholder the graph op reads.
+    probes = [t if value is None else value
+              for t, value in ((t, _captured_eager_value(t)) for t in queried)]
+    tracked = {t.ref() for t, yes in zip(queried, tracked_by(tape, probes)) if yes}
 
     recorded: dict = {}
     positions = _Positions(graph)
@@ -320,6 +325,13 @@ def tape_view(tape, log: TapeLog, targets: Sequence, sources: Sequence) -> TapeV
 
 def _name(t) -> str:
     return "an eager tensor" if tf_graph.is_eager_tensor(t) else repr(t.name)
+
+
+def _captured_eager_value(t: tf.Tensor):
+    """The eager value (a variable's handle, an eager tensor) that placeholder ``t`` captured,
+    or None."""
+    value = tf_graph.captured_value(t)
+    return value if value is not None and tf_graph.is_eager_tensor(value) else None
 
 
 def _captures_graph_value(t: tf.Tensor) -> bool:
