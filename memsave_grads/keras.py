@@ -1,9 +1,10 @@
 """Keras integration: make ``model.fit`` compute its gradients with memsave_grads.
 
-Keras trains inside a ``tf.function`` and differentiates with ``tf.GradientTape``, which
-:func:`memsave_grads.patch` does not reach. :func:`wrap_model` replaces the model's training
-step (on that one model object) by :func:`train_step`: the stock Keras step, with the one
-``tape.gradient`` call replaced by :func:`memsave_grads.gradients` on the traced graph.
+Keras trains inside a ``tf.function`` and differentiates with ``tf.GradientTape``.
+:func:`wrap_model` replaces the model's training step (on that one model object) by
+:func:`train_step`: the stock Keras step, with the one ``tape.gradient`` call replaced by
+:func:`memsave_grads.gradients` on the traced graph. A model whose class defines its own
+``train_step`` keeps it, with its tapes routed (:mod:`memsave_grads.tape`).
 
 Both Keras 2 (``tf_keras``) and Keras 3 with the TensorFlow backend (``keras``, which is
 ``tf.keras`` in TensorFlow >= 2.16) are supported. Neither is imported by this module: each is
@@ -1142,8 +1143,9 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
 
     Args:
       model: a compiled Keras model: tf_keras (Keras 2), or Keras 3 (``keras`` / ``tf.keras``
-        in TF >= 2.16) with the TensorFlow backend, whose class does not define its own
-        ``train_step`` (call :func:`train_step` from yours instead).
+        in TF >= 2.16) with the TensorFlow backend. Where its class defines its own
+        ``train_step``, that step runs as written, each ``tf.GradientTape`` in it computing
+        its gradients with memsave_grads (design note "tape routing").
       checkpoints: as in :func:`memsave_grads.gradients`: ``"memory"`` (default), ``"speed"``,
         a budget, or a list of op-name patterns (not tensors: the step is traced later). A
         budget asking for calibration (``"budget:50%:calibrated"``,
@@ -1172,7 +1174,7 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
     Raises:
       InvalidTypeError: not a Keras model, or checkpoints of a type we cannot use.
       InvalidArgumentError: not compiled, running eagerly, built in a TF1 graph, defining its
-        own ``train_step``, or a bad ``fallback``; UnknownStrategyError for an unknown name; a
+        own ``train_step`` with ``release_gradients_early``, or a bad ``fallback``; UnknownStrategyError for an unknown name; a
         budget to calibrate on a model under a ``tf.distribute`` strategy.
       AllocatorStatsUnavailableError: a budget to calibrate where the allocator keeps no
         statistics (on CPU, set ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts).

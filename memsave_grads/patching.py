@@ -5,7 +5,8 @@ TensorFlow exposes two functions under many module attributes: ``gradients_impl.
 ``tensorflow.compat.v2.compat.v1.gradients`` used by tf_keras...) and ``gradients_impl.gradients_v2``
 (``tf.gradients`` in TF 2, the ``_api.v2`` modules). :func:`patch` replaces every module attribute
 that *is* one of them and remembers each one, so :func:`unpatch` restores exactly those (design
-note "patching").
+note "patching"). It also routes ``tf.GradientTape`` inside graphs (:mod:`memsave_grads.tape`,
+design note "tape routing"), which never calls ``tf.gradients``.
 """
 
 from __future__ import annotations
