@@ -128,14 +128,15 @@ class route_tapes(contextlib.ContextDecorator):  # pylint: disable=invalid-name
 
     def __init__(self, checkpoints: api.Checkpoints = "memory", fallback: str = "warn"):
         self._routing = _checked_routing(checkpoints, fallback, "memsave_grads.route_tapes")
-        self._entered: list[Routing] = []
 
     def __enter__(self):
-        self._entered.append(start_routing(Routing(**dataclasses.asdict(self._routing))))
+        # Entered again while active (a decorated function calling itself), the routing is
+        # pushed again, and each exit removes one.
+        start_routing(self._routing)
         return self
 
     def __exit__(self, *exc_info):
-        stop_routing(self._entered.pop())
+        stop_routing(self._routing)
         return False
 
 

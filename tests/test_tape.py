@@ -13,6 +13,7 @@ to TensorFlow.
 
 import functools
 import logging
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -420,6 +421,30 @@ def test_a_tape_entered_before_routing_is_tensorflow_s(notices, spy):
     assert_same_gradients(late(X), _run(lambda T, x: _plain(T, x), None)[0])
     assert not spy
     assert len(notices()) == 1 and "before routing" in notices()[0]
+
+
+def test_an_outer_tape_left_to_tensorflow_differentiates_a_routed_inner_gradient(notices, spy):
+    """The outer tape was entered before routing began, so TensorFlow's tape computes its
+    gradient, through the routed inner gradient: it must have recorded the rewrite's copies
+    (``rewrite._record_on_tapes``) and gradient ops."""
+    def nested(route: bool):
+        @tf.function
+        def penalty_gradient(x):
+            with tf.GradientTape() as outer:
+                outer.watch(x)
+                with mg.route_tapes("speed", fallback="error") if route else nullcontext():
+                    with tf.GradientTape() as inner:
+                        loss = loss_of(chain(x, WS))
+                    grads = inner.gradient(loss, WS)
+                penalty = tf.add_n([tf.reduce_sum(g * g) for g in grads])
+            return outer.gradient(penalty, [x] + WS)
+        return penalty_gradient(X), penalty_gradient.get_concrete_function(X).graph
+
+    want, _ = nested(route=False)
+    got, graph = nested(route=True)
+    assert_same_gradients(got, want)
+    assert spy and _copies(graph) > 0
+    assert not notices()  # the outer tape's gradient was taken outside any routing
 
 
 def _plain(Tape, x):

@@ -267,9 +267,9 @@ def tape_view(tape, log: TapeLog, targets: Sequence, sources: Sequence) -> TapeV
     or made outside every recording window, is a leaf. ``reason`` is set where the tape's
     answer cannot be had this way: targets of several graphs or eager ones, a watched output
     whose op's recording the log cannot settle, a source the tape does not track that a
-    recorded op reads (TensorFlow's answer then depends on whether that op's gradient
-    function honours ``skip_input_indices``), or a recorded dependence that leaves the graph
-    through a captured value other than a source.
+    recorded op reads (the C++ tape computes a gradient for it, then deletes it once its last
+    reader is processed, unless some reader never is), or a recorded dependence that leaves
+    the graph through a captured value other than a source.
     """
     graph = _graph_of(targets)
     if graph is None or len(targets) != sum(1 for t in targets if isinstance(t, tf.Tensor)):
@@ -280,11 +280,17 @@ def tape_view(tape, log: TapeLog, targets: Sequence, sources: Sequence) -> TapeV
     slots = [tf_graph.as_seen_from(s, graph) for s in sources]
     queried = [t for op in closure for t in op.outputs if tf_graph.carries_gradients(t)]
     queried += [s for s in slots if s is not None]
-    # A placeholder capturing an eager value (a variable's handle) is asked as that value: the
-    # tape records a variable read, and a call of a function that captured it, against the
-    # eager value itself, not against the placeholder the graph op reads.
-    probes = [t if value is None else value
-              for t, value in ((t, _captured_eager_value(t)) for t in queried)]
+    # What each capture of the graph (a placeholder; a constant for a small eager tensor)
+    # captured, from one pass over the captures.
+    captured = {inner.ref(): outer for outer, inner in getattr(graph, "captures", ())
+                if isinstance(inner, tf.Tensor)}
+    # A capture of an eager value (a variable's handle) is asked as that value: the tape
+    # records a variable read, and a call of a function that captured it, against the eager
+    # value itself, not against the placeholder the graph op reads.
+    probes = []
+    for t in queried:
+        value = captured.get(t.ref())
+        probes.append(value if value is not None and tf_graph.is_eager_tensor(value) else t)
     tracked = {t.ref() for t, yes in zip(queried, tracked_by(tape, probes)) if yes}
 
     recorded: dict = {}
@@ -299,12 +305,16 @@ def tape_view(tape, log: TapeLog, targets: Sequence, sources: Sequence) -> TapeV
     walked = list(tf_graph.walk([t.op for t in targets if recorded.get(t.op)],
                                 tf_graph.input_ops,
                                 include=lambda op: op.graph is graph and recorded.get(op)))
+
     def must_stop(u) -> bool:
         """Whether tf.gradients would go on beyond ``u`` where the tape does not: into the
-        inputs of an op it did not record, or out through a capture it did not record."""
+        inputs of an op it did not record, or out through a capture of a graph value (not an
+        eager one: nothing computes those) that it did not record."""
         if recorded.get(u.op) or not tf_graph.carries_gradients(u):
             return False
-        return bool(u.op.inputs) or (_captures_graph_value(u) and u.ref() not in tracked)
+        value = captured.get(u.ref())
+        captures_graph_value = value is not None and not tf_graph.is_eager_tensor(value)
+        return bool(u.op.inputs) or (captures_graph_value and u.ref() not in tracked)
 
     stops = {u.ref(): u for u in [*targets, *(u for op in walked for u in op.inputs)]
              if must_stop(u)}
@@ -325,20 +335,6 @@ def tape_view(tape, log: TapeLog, targets: Sequence, sources: Sequence) -> TapeV
 
 def _name(t) -> str:
     return "an eager tensor" if tf_graph.is_eager_tensor(t) else repr(t.name)
-
-
-def _captured_eager_value(t: tf.Tensor):
-    """The eager value (a variable's handle, an eager tensor) that placeholder ``t`` captured,
-    or None."""
-    value = tf_graph.captured_value(t)
-    return value if value is not None and tf_graph.is_eager_tensor(value) else None
-
-
-def _captures_graph_value(t: tf.Tensor) -> bool:
-    """A placeholder that captured a tensor of an enclosing graph (through which tf.gradients
-    goes on into that graph), not an eager value or a variable handle."""
-    value = tf_graph.captured_value(t)
-    return value is not None and not tf_graph.is_eager_tensor(value)
 
 
 class _Positions:
