@@ -104,6 +104,25 @@ def test_keras3_stock_fit_is_routed_under_patch(spy):
     np.testing.assert_allclose(got.history["loss"], want.history["loss"], rtol=1e-5)
 
 
+def test_a_calibrated_budget_measures_the_own_train_step(monkeypatch, spy):
+    from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
+    real = keras_lib.calibrate_model
+    monkeypatch.setattr(keras_lib, "calibrate_model", lambda model, budget, **kwargs: real(
+        model, budget, runs=1, max_measurements=3,
+        **{k: v for k, v in kwargs.items() if k != "runs"}))
+    cls = _custom_model_class(keras3, penalty=False)
+    want_losses, _ = _train(keras3, cls, "stock")
+    x, y = _data()
+    model = _build(keras3, cls)
+    mg.wrap_model(model, "budget:60%:calibrated")
+    history = model.fit(x, y, epochs=3, batch_size=BATCH, shuffle=False, verbose=0)
+    step = model.train_step
+    assert step.calibrated and all(not b.calibrate for b in step.calibrated.values())
+    # The calibration's plans ran the model's own step, its tape routed with each plan.
+    assert sum(isinstance(c, mg.Budget) for c in spy) >= 2, spy
+    np.testing.assert_allclose(history.history["objective"], want_losses, rtol=1e-5)
+
+
 def test_own_train_step_and_early_release_are_refused_together():
     model = _build(keras3, _custom_model_class(keras3, penalty=False))
     with pytest.raises(mg.InvalidArgumentError, match="release_gradients_early"):
