@@ -334,6 +334,36 @@ def test_under_xla(case, spy):
     assert spy and _copies(graph) > 0
 
 
+def test_a_training_loop_inside_one_function(spy):
+    """``for i in tf.range(n)`` around the tape and the update: the tape lives in a while
+    loop's body, and reads the variables through that body's captures."""
+    def train(route: bool):
+        weights = [tf.Variable(w) for w in WS]
+        optimizer = tf.keras.optimizers.SGD(0.01)
+
+        @tf.function
+        def loop(x):
+            loss = tf.constant(0.0, DTYPE)
+            for _ in tf.range(3):
+                with tf.GradientTape() as tape:
+                    loss = loss_of(chain(x, weights))
+                grads = tape.gradient(loss, weights)
+                optimizer.apply_gradients(zip(grads, weights))
+            return loss
+
+        with mg.route_tapes("speed", fallback="error") if route else nullcontext():
+            loop.get_concrete_function(X)
+        return float(loop(X)), [w.numpy() for w in weights]
+
+    want_loss, want_weights = train(route=False)
+    assert not spy
+    got_loss, got_weights = train(route=True)
+    assert spy
+    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
+    for got, want in zip(got_weights, want_weights):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * np.abs(want).max())
+
+
 # --------------------------------------------------------------------------------------------
 # Errors are TensorFlow's own
 # --------------------------------------------------------------------------------------------
