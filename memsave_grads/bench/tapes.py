@@ -34,7 +34,7 @@ CELLS = (("tape loop", "tf.GradientTape"), ("tape loop", "patch()"),
          ("own train_step", "stock fit"), ("own train_step", "wrap_model"))
 
 
-def _model(keras, blocks: int, width: int, own_step: bool):
+def _model(keras, blocks: int, width: int, own_step: bool, activation: str = "gelu"):
     """The residual MLP, with small initial weights so that 32 blocks train without blowing up;
     with ``own_step``, a ``keras.Model`` subclass whose ``train_step`` uses a tape."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -53,7 +53,7 @@ def _model(keras, blocks: int, width: int, own_step: bool):
     inputs = keras.Input((width,))
     h = inputs
     for _ in range(blocks):
-        h = keras.layers.Add()([h, keras.layers.Dense(width, activation="gelu",
+        h = keras.layers.Add()([h, keras.layers.Dense(width, activation=activation,
                                                      kernel_initializer=small)(h)])
     outputs = keras.layers.Dense(1, kernel_initializer=small)(h)
     return (OwnStep if own_step else keras.Model)(inputs, outputs)
@@ -78,7 +78,8 @@ def _measure_here(request: dict) -> dict:
     program, way = request["program"], request["way"]
     blocks, width, batch = request["blocks"], request["width"], request["batch"]
     x, y = _data(width, batch)
-    model = _model(keras, blocks, width, own_step=program == "own train_step")
+    model = _model(keras, blocks, width, own_step=program == "own train_step",
+                   activation=request.get("activation", "gelu"))
     optimizer = keras.optimizers.SGD(0.01)
     peaks, losses = [], []
     measure.check_allocator_stats()
@@ -126,11 +127,11 @@ def _measure_here(request: dict) -> dict:
 
 
 def measure_cell(program: str, way: str, blocks: int, width: int, batch: int,
-                 weights_file: str) -> dict:
+                 weights_file: str, activation: str = "gelu") -> dict:
     """One cell in a fresh process; ``{"failed": reason}`` where it did not finish."""
-    outcome = child.run("memsave_grads.bench.tapes", {"program": program, "way": way, "blocks": blocks,
-                                   "width": width, "batch": batch,
-                                   "weights_file": weights_file})
+    outcome = child.run("memsave_grads.bench.tapes", {
+        "program": program, "way": way, "blocks": blocks, "width": width, "batch": batch,
+        "weights_file": weights_file, "activation": activation})
     if outcome.returncode != 0 or outcome.result is None:
         return {"failed": outcome.last_error_line()}
     return outcome.result
@@ -142,7 +143,7 @@ def _max_rel_diff(got, want) -> float:
     return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
 
 
-def table(blocks: int, width: int, batch: int) -> str:
+def table(blocks: int, width: int, batch: int, activation: str = "gelu") -> str:
     """Measure every cell and return the markdown table."""
     import numpy as np  # pylint: disable=import-outside-toplevel
     rows = ["| program | way | step peak MiB | vs unrouted | max loss diff | max weight diff |",
@@ -151,7 +152,7 @@ def table(blocks: int, width: int, batch: int) -> str:
         reference: dict = {}
         for program, way in CELLS:
             weights_file = os.path.join(folder, f"{len(reference)}_{way.split()[0]}.npz")
-            result = measure_cell(program, way, blocks, width, batch, weights_file)
+            result = measure_cell(program, way, blocks, width, batch, weights_file, activation)
             if "failed" in result:
                 rows.append(f"| {program} | {way} | failed: {result['failed'][:80]} | | | |")
                 continue
@@ -171,12 +172,14 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks", type=int, default=32)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2048)
+    parser.add_argument("--activation", default="gelu", help="of each block's Dense layer")
     args = parser.parse_args(argv)
-    print(f"Residual MLP, {args.blocks} blocks h = h + Dense({args.width}, gelu)(h), batch "
+    print(f"Residual MLP, {args.blocks} blocks h = h + Dense({args.width}, {args.activation})(h), "
+          f"batch "
           f"{args.batch}, Keras 3 SGD(0.01), {STEPS} steps; peaks of steps 2-{STEPS} above what "
           "was in use before each step; each row a fresh process. Diffs: max |a - b| / max |b| "
           "against the unrouted row of the program.\n")
-    print(table(args.blocks, args.width, args.batch))
+    print(table(args.blocks, args.width, args.batch, args.activation))
     return 0
 
 
