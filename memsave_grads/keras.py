@@ -1174,8 +1174,9 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
     Raises:
       InvalidTypeError: not a Keras model, or checkpoints of a type we cannot use.
       InvalidArgumentError: not compiled, running eagerly, built in a TF1 graph, defining its
-        own ``train_step`` with ``release_gradients_early``, or a bad ``fallback``; UnknownStrategyError for an unknown name; a
-        budget to calibrate on a model under a ``tf.distribute`` strategy.
+        own ``train_step`` with ``release_gradients_early``, or a bad ``fallback``;
+        UnknownStrategyError for an unknown name; a budget to calibrate on a model under a
+        ``tf.distribute`` strategy.
       AllocatorStatsUnavailableError: a budget to calibrate where the allocator keeps no
         statistics (on CPU, set ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts).
       MissingDependencyError: its Keras package cannot be imported.

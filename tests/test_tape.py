@@ -246,8 +246,9 @@ def control_flow_and_calls(Tape, x):
     return [tape.gradient(loss, WS), tape.gradient(loss, x, unconnected_gradients="zero")]
 
 
-CASES = [target_made_after_the_block, before_the_with_block, stop_recording, watched_input, unwatched_input, watched_leaf,
-         watched_intermediate, watched_after_stop, watch_accessed_variables_off,
+CASES = [target_made_after_the_block, before_the_with_block, stop_recording, watched_input,
+         unwatched_input, watched_leaf, watched_intermediate, watched_after_stop,
+         watch_accessed_variables_off,
          persistent_twice, persistent_inside_its_context, output_gradients, unconnected_zero,
          gradient_penalty, third_order, reset, sparse, nested_structures, ragged_source,
          control_flow_and_calls]
