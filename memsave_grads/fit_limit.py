@@ -340,9 +340,9 @@ def _try_here(request: dict) -> dict:
         run()   # trace and warm up: the measured steps allocate only what they use
         if method not in (PLAIN, KERAS_REMAT) and calls[0] == 0:
             return {"fits": False, "error": (
-                "the step never called tf.gradients, so memsave_grads never saw it "
-                "(patch() does not reach tf.GradientTape: call tf.gradients or "
-                "memsave_grads.gradients in the step)")}
+                "the step's gradients never reached memsave_grads (patch() routes "
+                "tf.gradients, and tf.GradientTape inside a tf.function: an eager step, or a "
+                "tape entered before the patch, is not)")}
         peaks, step_peaks, seconds = [], [], []
         for _ in range(request["steps"]):
             tf.config.experimental.reset_memory_stats(device)

@@ -87,7 +87,7 @@ def _calibration_measure(model, batch_size, sequence_length, data, runs: int,
                                       batch_size=examples)
 
         def step(x, y):
-            return step_lib.run_step(model, flavour, (x, y), options)
+            return step_lib.run_wrapped_step(model, flavour, (x, y), options)
         concrete = tf.function(step, autograph=False).get_concrete_function(*specs)
         # After the trace: tf_keras makes its slots there.
         state = _training_state(model, concrete)

@@ -48,7 +48,7 @@ def check_trainable(model, flavour: Flavour, action: str) -> None:
 
 def check_model(model, flavour: Flavour, action: str) -> None:
     """What wrapping (or measuring the wrapped step of) a model needs: a model of a Keras we
-    train, compiled, running traced, with the stock ``train_step``."""
+    train, compiled, running traced."""
     flavour.refuse_model(model, action)
     check_compiled(model, flavour, action)
     if model.run_eagerly:
@@ -57,17 +57,24 @@ def check_model(model, flavour: Flavour, action: str) -> None:
             "tf.config.run_functions_eagerly(True)); memsave_grads rewrites the traced graph of "
             "the training step, which eager execution does not build. Compile with "
             "run_eagerly=False.")
-    check_stock_train_step(model, flavour, action)
 
 
-def check_stock_train_step(model, flavour: Flavour, action: str) -> None:
-    """The one place that refuses a model whose class defines its own ``train_step``: wrapping
-    would silently replace it."""
-    if type(model).train_step is not flavour.stock_train_step():
+def has_own_train_step(model, flavour: Flavour) -> bool:
+    """Whether the model's class overrides Keras' ``train_step``: the wrapped step then runs
+    that step as written, with its tapes routed (design note "tape routing"), instead of
+    replacing it."""
+    return type(model).train_step is not flavour.stock_train_step()
+
+
+def check_own_train_step_options(model, flavour: Flavour, release_gradients_early: bool) -> None:
+    """A model's own ``train_step`` applies its gradients itself, so its updates cannot be
+    ordered: ``release_gradients_early`` is refused for it."""
+    if release_gradients_early and has_own_train_step(model, flavour):
         raise errors.InvalidArgumentError(
-            f"model: {action}: {type(model).__qualname__} defines its own train_step, which "
-            "wrap_model would silently replace. Call memsave_grads.keras.train_step(self, data) "
-            "from it, or call memsave_grads.gradients where it calls tape.gradient.")
+            f"release_gradients_early: {type(model).__qualname__} defines its own train_step, "
+            "which applies the gradients itself, so wrap_model cannot order the updates; wrap "
+            "without release_gradients_early (its tapes are still routed), or call "
+            "memsave_grads.keras.train_step(self, data, release_gradients_early=True) from it.")
 
 
 def check_traced(model) -> None:

@@ -1,10 +1,12 @@
 """The training step: the stock Keras step of the model's Keras, with the one
-``tape.gradient`` call replaced by :func:`memsave_grads.gradients` on the traced graph."""
+``tape.gradient`` call replaced by :func:`memsave_grads.gradients` on the traced graph; or the
+model's own ``train_step``, with its tapes routed."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 
 import tensorflow as tf
@@ -12,6 +14,7 @@ from absl import logging
 
 from memsave_grads import _validate
 from memsave_grads import api
+from memsave_grads import tape
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads.keras import cells
 from memsave_grads.keras import checks
@@ -111,6 +114,25 @@ def run_step(model, flavour: Flavour, data, options: StepOptions):
     planned = planned_batch_size(model, data, options.checkpoints, options.batch_size)
     with tf_graph.assumed_batch_size(planned):
         return _traced_step(model, flavour, data, options)
+
+
+def run_wrapped_step(model, flavour: Flavour, data, options: StepOptions):
+    """What a wrapped model's ``train_step`` runs: :func:`run_step`, or, where the model's
+    class defines its own ``train_step``, that step as written with each ``tf.GradientTape``
+    in it computing its gradients with memsave_grads (design note "tape routing"), planned,
+    as Keras applies them, for gradients applied together. ``options.checkpoints`` None: the
+    plain step (a calibration's reference)."""
+    if not checks.has_own_train_step(model, flavour):
+        return run_step(model, flavour, data, options)
+    own_step = functools.partial(type(model).train_step, model, data)
+    if options.checkpoints is None:
+        return own_step()
+    checkpoints = _validate.check_checkpoints(options.checkpoints)
+    planned = planned_batch_size(model, data, checkpoints, options.batch_size)
+    with tf_graph.assumed_batch_size(planned), cells.maybe_recomputed_cells(
+            model, flavour, options.recompute_cells):
+        return tape.run_with_routed_tapes(own_step, checkpoints, options.fallback,
+                                          caller=f"memsave_grads.keras ({flavour.name})")
 
 
 def _traced_step(model, flavour: Flavour, data, options: StepOptions):

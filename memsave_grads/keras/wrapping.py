@@ -116,7 +116,7 @@ class WrappedTrainStep:
         self.traced_batch_size = planned
         options = dataclasses.replace(self.options, checkpoints=self.traced_checkpoints,
                                       batch_size=planned)
-        return step_lib.run_step(self._model(), self.flavour, data, options)
+        return step_lib.run_wrapped_step(self._model(), self.flavour, data, options)
 
     def __repr__(self):
         o = self.options
@@ -330,8 +330,9 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
 
     Args:
       model: a compiled Keras model: tf_keras (Keras 2), or Keras 3 (``keras`` / ``tf.keras``
-        in TF >= 2.16) with the TensorFlow backend, whose class does not define its own
-        ``train_step`` (call :func:`train_step` from yours instead).
+        in TF >= 2.16) with the TensorFlow backend. Where its class defines its own
+        ``train_step``, that step runs as written, each ``tf.GradientTape`` in it computing
+        its gradients with memsave_grads (design note "tape routing").
       checkpoints: as in :func:`memsave_grads.gradients`: ``"memory"`` (default), ``"speed"``,
         a budget, or a list of op-name patterns (not tensors: the step is traced later). A
         budget asking for calibration (``"budget:50%:calibrated"``,
@@ -360,8 +361,9 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
     Raises:
       InvalidTypeError: not a Keras model, or checkpoints of a type we cannot use.
       InvalidArgumentError: not compiled, running eagerly, built in a TF1 graph, defining its
-        own ``train_step``, or a bad ``fallback``; UnknownStrategyError for an unknown name; a
-        budget to calibrate on a model under a ``tf.distribute`` strategy.
+        own ``train_step`` with ``release_gradients_early``, or a bad ``fallback``;
+        UnknownStrategyError for an unknown name; a budget to calibrate on a model under a
+        ``tf.distribute`` strategy.
       AllocatorStatsUnavailableError: a budget to calibrate where the allocator keeps no
         statistics (on CPU, set ``TF_CPU_ALLOCATOR_USE_BFC=true`` before TensorFlow starts).
       MissingDependencyError: its Keras package cannot be imported.
@@ -371,6 +373,7 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
     step_lib.check_flags(recompute_cells, release_gradients_early)
     _validate.check_batch_size(batch_size, allow_none=True)
     checks.check_model(model, flavour, "wrap_model")
+    checks.check_own_train_step_options(model, flavour, release_gradients_early)
     if release_gradients_early:
         updates.check_early_release(model, flavour)
     step = WrappedTrainStep(model, flavour, step_lib.StepOptions(
