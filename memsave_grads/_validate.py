@@ -432,10 +432,15 @@ def _check_tf_kwargs(kwargs: dict, graph: tf.Graph) -> dict:
                                    and method in AGGREGATION_METHODS.values()):
         constants = ", ".join(f"tf.AggregationMethod.{k} ({v})"
                               for k, v in AGGREGATION_METHODS.items())
+        accepted = list(AGGREGATION_METHODS.values())
+        try:  # TensorFlow's own test, which lets a float equal to a method (1.0) through
+            tensorflow_refuses = method not in accepted
+        except (TypeError, ValueError):
+            tensorflow_refuses = False
         raise errors.InvalidArgumentError(
             f"aggregation_method: expected None or one of {constants}, got {method!r:.80}."
-            + _tensorflow_says(f"Invalid `aggregation_method` specified {method}. Accepted "
-                               f"values are {list(AGGREGATION_METHODS.values())}."))
+            + (_tensorflow_says(f"Invalid `aggregation_method` specified {method}. Accepted "
+                                f"values are {accepted}.") if tensorflow_refuses else ""))
     return kwargs
 
 

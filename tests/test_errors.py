@@ -422,6 +422,15 @@ def test_no_sentence_where_tensorflow_raises_nothing_there(chain):
     assert "TensorFlow's message" not in str(err)
 
 
+def test_no_aggregation_sentence_where_tensorflow_accepts_the_value(chain):
+    """tf.gradients lets 1.0 through (it equals EXPERIMENTAL_TREE); we refuse a float, without
+    quoting a sentence TensorFlow does not say."""
+    graph, x, _, y = chain
+    err = _raises(graph, mg.InvalidArgumentError, "aggregation_method: .*1.0",
+                  lambda: mg.gradients(y, x, checkpoints="memory", aggregation_method=1.0))
+    assert "TensorFlow's message" not in str(err)
+
+
 def test_tensorflows_sentence_under_patch(chain):
     """TensorFlow's own tests (OnlyRealGradientsTest, testUnknownUnconnectedGradientsValueGiven)
     match these regular expressions; so must the patched tf.gradients."""

@@ -219,7 +219,8 @@ def test_jacobian_of_a_scan_through_the_rewrite():
     """pfor vectorizes the gradient of the recomputed While (TensorFlow's
     test_jacobian_scan_shape, in a tf.function; it failed with "Required handle data not set"
     under the default "memory"). Every strategy, mode and container: the TF-semantics suite."""
-    from tensorflow.python.ops.parallel_for import gradients as pfor_gradients  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.ops.parallel_for import (  # pylint: disable=import-outside-toplevel
+        gradients as pfor_gradients)
 
     def jacobian():
         x = tf.constant(np.random.RandomState(0).rand(2, 3).astype(np.float32))
@@ -248,9 +249,10 @@ def test_gradient_ops_name_the_forward_op_not_its_copy(graph, strategy):
     copies = [op for op in new if "/recompute_level" in op.name and "/boundary/" not in op.name
               and op.type != "NoOp"]
     assert copies, "expected recomputed segments"
-    assert all(op._original_op in forward for op in copies)  # pylint: disable=protected-access
-    credited = [op._original_op for op in new  # pylint: disable=protected-access
-                if op not in copies and op._original_op is not None]  # pylint: disable=protected-access
+    # pylint: disable=protected-access
+    assert all(op._original_op in forward for op in copies)
+    credited = [op._original_op for op in new
+                if op not in copies and op._original_op is not None]
     assert credited and all(op in forward for op in credited), (
         sorted({op.name for op in credited if op not in forward}))
     x_grad = grads[-1].op  # built by the gradient of layer 0's MatMul, which was recomputed

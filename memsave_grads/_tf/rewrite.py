@@ -126,7 +126,9 @@ def credit_gradients_to_originals(grads: Sequence, floors: Mapping[tf.Graph, int
     forward op."""
     seeds = [t.op for g in grads if g is not None
              for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
-    newer = lambda op: tf_graph.creation_index(op) > floors.get(op.graph, float("inf"))  # noqa: E731
+    def newer(op):
+        return tf_graph.creation_index(op) > floors.get(op.graph, float("inf"))
+
     for op in tf_graph.walk(seeds, tf_graph.input_ops, include=newer):
         replayed = getattr(op._original_op, _REPLAYS, None)  # pylint: disable=protected-access
         while replayed is not None:  # a copy of a copy (nested levels): the user's op
