@@ -1,7 +1,8 @@
 """Scenarios and runner of the TensorFlow-semantics parity suite (tests/test_tf_semantics.py).
 
 Each scenario mirrors one behaviour that TensorFlow's own gradient tests check
-(``gradients_test.py``, ``cond_v2_test.py``, ``while_v2_test.py``, ``custom_gradient_test.py``),
+(``gradients_test.py``, ``cond_v2_test.py``, ``while_v2_test.py``, ``custom_gradient_test.py``,
+parallel_for's ``gradients_test.py``),
 written afresh around a small ``tanh(matmul)`` chain so that every strategy has something to
 keep. A scenario builds its forward pass once and returns ``compute``, a function that builds
 the gradients through the *public* names (``tf.gradients``, ``tf.compat.v1.gradients``,
@@ -11,7 +12,8 @@ graph, evaluated in one step (stateful ops draw once); in ``tf.function``, one f
 strategy (a traced function cannot be extended later; random ops carry op seeds). It compares
 ``None``-ness, ``IndexedSlices``-ness, dtype, values (``conftest.assert_grads_close``; float64
 at rtol 1e-10) and, where the scenario asks, each gradient op's ``colocation_groups()``. Where
-the reference raises, the patched call must raise the same exception type. A spy on
+the reference raises, the patched call must raise the same exception type, with TensorFlow's
+sentence in its message (design note "TensorFlow's error sentences"). A spy on
 ``api.gradients`` and ``stitch.backprop`` records whether each call rewrote the graph or fell
 back to ``tf.gradients``.
 
