@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import time
 
@@ -25,6 +26,7 @@ from memsave_grads.bench import harness
 from memsave_grads.bench import models
 from memsave_grads.bench import solvers as bench_solvers
 from memsave_grads.bench import xla as bench_xla
+from memsave_grads.core import budgets as core_budgets
 from memsave_grads.core import memory_model
 from memsave_grads.core import solvers as core_solvers
 
@@ -288,10 +290,11 @@ class CommandLineError(errors.InvalidArgumentError):
     prints it as a usage error, exit status 2. Other errors keep their tracebacks."""
 
 
-def _check_fit_limit_model(args: argparse.Namespace) -> None:
-    """The model argument built once, before any try: a model that cannot train, or a method
-    it cannot have, is our error (the command line prints it as a usage error), not every
-    method's failure in the table."""
+def _check_fit_limit_model(args: argparse.Namespace) -> dict | None:
+    """The model argument built once, before any try: a model that cannot train, a method it
+    cannot have, or weights and optimizer state that alone fill the limit, is our error (the
+    command line prints it as a usage error), not every method's failure in the table. Returns
+    what :func:`fit_limit.check` says was built (None: it could not tell)."""
     start_batch = args.start if args.vary == "batch" else args.batch
     logging.info("%s: building it once to check it ...", args.model)
     try:
@@ -316,6 +319,25 @@ def _check_fit_limit_model(args: argparse.Namespace) -> None:
         raise CommandLineError(
             f"argument --keras-remat: keras.RematScope is Keras 3's; {args.model} is a "
             f"{built['keras']} model, which it would leave as it is. Leave the flag out.")
+    if built is not None and "weights_bytes" in built:
+        _check_limit_above_state(args, built["weights_bytes"], built["optimizer_state_bytes"])
+    return built
+
+
+def _check_limit_above_state(args: argparse.Namespace, weights_bytes: int,
+                             optimizer_state_bytes: int) -> None:
+    """No batch trains where the weights and the optimizer's state alone fill the limit:
+    refused at once, rather than bisected down to a batch of one for every method."""
+    state_bytes = weights_bytes + optimizer_state_bytes
+    if state_bytes >= args.limit_mib * measure.MIB:
+        size = core_budgets.format_bytes
+        raise CommandLineError(
+            f"argument --limit-mib: {args.model}'s weights ({size(weights_bytes)}) and its "
+            f"optimizer's state ({size(optimizer_state_bytes)}) alone take "
+            f"{size(state_bytes)}, more than the limit of {args.limit_mib} MiB, so no "
+            "batch can train under it whatever the strategy: memsave_grads saves "
+            "activations, not weights. Raise --limit-mib well above "
+            f"{math.ceil(state_bytes / measure.MIB)}.")
 
 
 def fit_limit_command(args: argparse.Namespace) -> int:
@@ -326,7 +348,7 @@ def fit_limit_command(args: argparse.Namespace) -> int:
     if args.keras_remat:
         methods.append(fit_limit.KERAS_REMAT)
     dimension = "batch" if args.vary == "batch" else "sequence length"
-    _check_fit_limit_model(args)
+    built = _check_fit_limit_model(args)
     searches = []
     for method in methods:
         logging.info("%s: searching from %s %d ...", method, dimension, args.start)
@@ -349,19 +371,44 @@ def fit_limit_command(args: argparse.Namespace) -> int:
         searches.append(fit_limit.search(
             method, try_size, args.start, args.max,
             on_attempt=lambda a: logging.info("%s", fit_limit.progress_line(a, dimension))))
+    timings = _time_fit_limit_methods(args, searches)
     fixed = f", batch {args.batch}" if args.vary == "sequence" else ""
     every = f", a size fits if all {args.tries} tries fit" if args.tries > 1 else ""
     reserved = ", the limit reserved as one region" if args.reserve_limit else ""
     title = f"{args.model}: limit {args.limit_mib} MiB{fixed}{every}{reserved}"
-    _write(args, f"{title}\n\n{fit_limit.table(searches, dimension, args.limit_mib)}\n\n"
-           f"{fit_limit.TABLE_NOTES}", "How much larger: memsave_grads fit-limit")
+    baseline = fit_limit.baseline_name(built["kind"] if built else None)
+    table = fit_limit.table(searches, dimension, args.limit_mib, timings, baseline)
+    _write(args, f"{title}\n\n{table}\n\n{fit_limit.TABLE_NOTES}",
+           "How much larger: memsave_grads fit-limit")
     if args.plot:
         fit_limit.plot(searches, dimension, args.limit_mib, args.plot, title)
         logging.info("wrote %s", args.plot)
+    if all(s.largest is None for s in searches):
+        smallest = min((a.size for s in searches for a in s.attempts), default=args.start)
+        logging.error("nothing fit under %d MiB, not even %s %d, with any method",
+                      args.limit_mib, dimension, smallest)
+        return 1
     # keras.RematScope failing is one of the answers (it does under fit on TensorFlow), not
     # the command's.
     return 0 if all(s.largest is not None or not s.failure for s in searches
                     if s.method != fit_limit.KERAS_REMAT) else 1
+
+
+def _time_fit_limit_methods(args: argparse.Namespace, searches) -> list:
+    """The methods that fit timed against the reference, each at its largest size, in one
+    process (:func:`fit_limit.time_against`); none where the reference fit nothing."""
+    reference = next((s.largest for s in searches if s.method == fit_limit.PLAIN), None)
+    others = [s.largest for s in searches
+              if s.method != fit_limit.PLAIN and s.largest is not None]
+    if reference is None or not others:
+        return []
+    logging.info("timing %d method(s) against the reference in one process ...", len(others))
+    timings, why = fit_limit.time_against(
+        args.model, reference, others,
+        sequence_length_fixed=args.batch if args.vary == "sequence" else None)
+    if why:
+        logging.warning("the methods could not be timed against each other: %s", why)
+    return timings
 
 
 #: Subcommand name -> its function (the parser in memsave_grads.cli has one subparser each).
