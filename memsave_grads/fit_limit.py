@@ -665,6 +665,19 @@ def table(searches: Sequence[Search], dimension: str, limit_mib: int,
         "lrrrrrl", rows)
 
 
+def search_record(search_: Search, searches: Sequence[Search]) -> dict:
+    """One method's search as data (``--format json``): its largest size, whether that is a
+    lower bound, its ratio to the reference's (None where there is none), and every try."""
+    reference = next((s for s in searches if s.method == PLAIN), None)
+    best, reference_best = search_.largest, reference.largest if reference else None
+    ratio = (best.size / reference_best.size
+             if best and reference_best and search_ is not reference else None)
+    return {"method": search_.method, "largest": best.size if best else None,
+            "lower_bound": search_.reached_max,
+            "reference_lower_bound": bool(reference and reference.reached_max),
+            "size_ratio": ratio, "failure": search_.failure, "attempts": search_.attempts}
+
+
 TABLE_NOTES = (
     "Each try is a fresh process with its allocator capped at the limit (CPU: "
     f"{CPU_LIMIT_ENV}; GPU: a logical device's memory_limit); it fits when one traced step "

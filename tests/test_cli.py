@@ -181,6 +181,35 @@ def test_explain_command_prints_a_plan():
     assert "predicted peak:" in proc.stdout
 
 
+def test_explain_command_prints_json_with_the_plan_in_bytes():
+    proc = _run(["-m", "memsave_grads", "explain", "--models", "tanh MLP", "--format", "json"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)   # stdout is the JSON object alone: logs go to stderr
+    assert data["title"] == "memsave_grads explain" and data["environment"]
+    [plan] = data["plans"]
+    assert plan["model"].startswith("tanh MLP") and plan["checkpoints"] == "memory"
+    assert 0 < plan["predicted_peak_bytes"] < plan["predicted_plain_peak_bytes"]
+    assert plan["levels"] and all(level["recomputed_ops"] > 0 for level in plan["levels"])
+    assert plan["checkpoint_names"] and 0 < plan["recompute_fraction"] <= 1
+
+
+def test_benchmark_json_holds_every_result_plainly(monkeypatch, capsys, tmp_path):
+    from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
+    results = [[harness.Result("m", harness.REFERENCE, peak_bytes=100, median_seconds=0.5),
+                harness.Result("m", harness.MEMORY, peak_bytes=25, median_seconds=0.6,
+                               max_rel_error=float("nan"))]]
+    monkeypatch.setattr(commands, "_graph_benchmark", lambda args: (results, 0))
+    args = cli.build_parser().parse_args(
+        ["benchmark", "--xla", "without", "--format", "json", "--output",
+         str(tmp_path / "b.json")])
+    assert commands.benchmark(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data == json.loads((tmp_path / "b.json").read_text())
+    reference, ours = data["graph"][0]
+    assert reference["method"] == {"label": "tf.gradients", "checkpoints": None}
+    assert ours["peak_bytes"] == 25 and ours["max_rel_error"] is None   # NaN is not JSON
+
+
 def test_solvers_command_plans_the_chosen_networks():
     proc = _run(["-m", "memsave_grads", "solvers", "--models", "tanh MLP",
                  "--fractions", "0.5,0.3"])

@@ -2,6 +2,7 @@
 model argument, tries in their own capped processes, and the whole command (slow); and
 explain(model) for Keras models."""
 
+import json
 import subprocess
 import sys
 
@@ -156,6 +157,27 @@ def _command(monkeypatch, argv, attempt, checked):
     from memsave_grads import cli  # pylint: disable=import-outside-toplevel
     from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
     return commands, cli.build_parser().parse_args(["fit-limit", f"{MODELS}:residual_mlp", *argv])
+
+
+def test_fit_limit_json_has_every_try_and_the_timings(monkeypatch, capsys):
+    def fits_to_16(source, method, batch_size, *a, **k):
+        if batch_size <= (16 if method == fit_limit.PLAIN else 64):
+            return fit_limit.Attempt(method, batch_size, True, peak_bytes=batch_size,
+                                     step_seconds=0.01)
+        return fit_limit.Attempt(method, batch_size, False, error="OOM", out_of_memory=True)
+    commands, args = _command(monkeypatch, ["--limit-mib", "100", "--max", "64", "--format",
+                                            "json"], fits_to_16, {"kind": "step"})
+    monkeypatch.setattr(fit_limit, "time_against", lambda source, reference, others, **k: (
+        [fit_limit.Timing(a.method, 1.2, 1.1, 1.3) for a in others], ""))
+    assert commands.fit_limit_command(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["reference"] == "tf.gradients" and data["limit_mib"] == 100
+    plain, ours = data["methods"]
+    assert plain["largest"] == 16 and not plain["lower_bound"]
+    assert ours["largest"] == 64 and ours["lower_bound"] and ours["size_ratio"] == 4.0
+    assert [a["size"] for a in ours["attempts"]] == [8, 16, 32, 64]
+    assert data["timings"] == [{"method": "memory", "ratio": 1.2, "lowest": 1.1,
+                                "highest": 1.3}]
 
 
 def test_weights_and_optimizer_state_over_the_limit_are_refused_before_any_try(monkeypatch):

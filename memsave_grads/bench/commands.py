@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import time
@@ -18,6 +19,7 @@ import tensorflow as tf
 from absl import logging
 
 from memsave_grads import _explain as explain_lib
+from memsave_grads import _tables as tables
 from memsave_grads import errors
 from memsave_grads import fit_limit
 from memsave_grads import keras as mg_keras
@@ -36,8 +38,20 @@ def _environment_line() -> str:
             f"{os.cpu_count()} CPU cores")
 
 
-def _write(args: argparse.Namespace, text: str, title: str) -> None:
-    """Print ``text``; with ``--output``, also write it under ``title`` to that file."""
+def _write(args: argparse.Namespace, text: str, title: str, data: dict | None = None) -> None:
+    """Print ``text``; with ``--output``, also write it under ``title`` to that file. With
+    ``--format json``, ``data`` instead (made plain by :func:`tables.plain_data`), with the
+    date and the environment, printed and written as one JSON object."""
+    if getattr(args, "format", "markdown") == "json":
+        text = json.dumps({"title": title, "date": datetime.date.today().isoformat(),
+                           "environment": _environment_line(),
+                           **tables.plain_data(data or {})}, indent=2)
+        print(text)
+        if getattr(args, "output", None):
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+            logging.info("wrote %s", args.output)
+        return
     print(text)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
@@ -78,30 +92,27 @@ def benchmark(args: argparse.Namespace) -> int:
     """``benchmark``: every model family, then the XLA table (``--xla``); returns 1 if a
     model failed unexpectedly."""
     start = time.perf_counter()
-    sections, status = [], 0
+    sections, status, data = [], 0, {"repeats": args.repeats}
     if args.xla != "only":
-        table, status = _graph_benchmark(args)
-        sections.append(table + "\n\n" + harness.TABLE_NOTES)
+        results, status = _graph_benchmark(args)
+        data["graph"] = results
+        sections.append(harness.benchmark_table(results) + "\n\n" + harness.TABLE_NOTES)
     if args.xla != "without":
-        table, xla_status = _xla_benchmark(args)
+        results, xla_status = _xla_benchmark(args)
+        data["xla"] = results
         status = max(status, xla_status)
-        if table:
-            sections.append("## Under XLA\n\n" + table + "\n\n" + bench_xla.TABLE_NOTES)
+        if results:
+            sections.append("## Under XLA\n\n" + bench_xla.table(results) + "\n\n" +
+                            bench_xla.TABLE_NOTES)
     logging.info("benchmark measured in %.1f s", time.perf_counter() - start)
-    text = "\n\n".join(sections)
-    print(text)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write("# memsave_grads benchmark\n\n")
-            f.write(f"{datetime.date.today().isoformat()}, {_environment_line()}, "
-                    f"median of {args.repeats} steps.\n\n")
-            f.write(text + "\n")
-        logging.info("wrote %s", args.output)
+    _write(args, "\n\n".join(sections), f"memsave_grads benchmark, median of {args.repeats} "
+           "steps", data)
     return status
 
 
-def _graph_benchmark(args: argparse.Namespace) -> tuple[str, int]:
-    """The v1-graph table of :func:`models.benchmark_models`."""
+def _graph_benchmark(args: argparse.Namespace) -> tuple[list, int]:
+    """The results of :func:`models.benchmark_models` in v1 graphs, one list per model, and
+    the exit status."""
     specs = models.select(models.benchmark_models(), args.models)
     all_results = []
     status = 0
@@ -119,19 +130,19 @@ def _graph_benchmark(args: argparse.Namespace) -> tuple[str, int]:
                                           for m in harness.DEFAULT_METHODS[1:])))
         logging.info("[%d/%d] %s done in %.1f s. %s", i, len(specs), spec.name,
                      time.perf_counter() - model_start, summary or "")
-    return harness.benchmark_table(all_results), status
+    return all_results, status
 
 
-def _xla_benchmark(args: argparse.Namespace) -> tuple[str, int]:
-    """The tf.function table of :func:`models.xla_models`, without and with jit_compile
-    (empty when ``--models`` names none of them)."""
+def _xla_benchmark(args: argparse.Namespace) -> tuple[list, int]:
+    """The results of :func:`models.xla_models` in tf.function, without and with jit_compile
+    (none when ``--models`` names none of them), one list per model, and the exit status."""
     specs = models.select(models.xla_models(), args.models)
     all_results = []
     for i, spec in enumerate(specs, 1):
         logging.info("[XLA %d/%d] %s ...", i, len(specs), spec.description)
         all_results.append(bench_xla.measure_model(spec, repeats=args.repeats))
     failed = any(r.failed for results in all_results for r in results)
-    return (bench_xla.table(all_results) if all_results else ""), int(failed)
+    return all_results, int(failed)
 
 
 def scaling(args: argparse.Namespace) -> int:
@@ -209,13 +220,20 @@ def explain(args: argparse.Namespace) -> int:
                                          sequence_length=args.sequence_length)
         except errors.MemsaveGradsError as e:  # the user's model: what is wrong with it
             raise CommandLineError(str(e)) from None
-        print(f"## {args.model} ({getattr(model, 'name', '')}, batch {args.batch})\n{report}\n")
-        return 0
-    for spec in models.select(models.benchmark_models(), args.models):
-        with tf.Graph().as_default():
-            loss, variables = spec.build()
-            report = explain_lib.explain(loss, variables, checkpoints=args.checkpoints)
-        print(f"## {spec.description}\n{report}\n")
+        reports = [(f"{args.model} ({getattr(model, 'name', '')}, batch {args.batch})", report)]
+    else:
+        reports = []
+        for spec in models.select(models.benchmark_models(), args.models):
+            with tf.Graph().as_default():
+                loss, variables = spec.build()
+                reports.append((spec.description, explain_lib.explain(
+                    loss, variables, checkpoints=args.checkpoints)))
+    if args.format == "json":
+        _write(args, "", "memsave_grads explain", {"plans": [
+            {"model": name, **report.as_dict()} for name, report in reports]})
+    else:
+        for name, report in reports:
+            print(f"## {name}\n{report}\n")
     return 0
 
 
@@ -379,7 +397,11 @@ def fit_limit_command(args: argparse.Namespace) -> int:
     baseline = fit_limit.baseline_name(built["kind"] if built else None)
     table = fit_limit.table(searches, dimension, args.limit_mib, timings, baseline)
     _write(args, f"{title}\n\n{table}\n\n{fit_limit.TABLE_NOTES}",
-           "How much larger: memsave_grads fit-limit")
+           "How much larger: memsave_grads fit-limit", {
+               "model": args.model, "limit_mib": args.limit_mib, "dimension": dimension,
+               "reference": baseline, "tries": args.tries, "reserve_limit": args.reserve_limit,
+               "methods": [fit_limit.search_record(s, searches) for s in searches],
+               "timings": timings})
     if args.plot:
         fit_limit.plot(searches, dimension, args.limit_mib, args.plot, title)
         logging.info("wrote %s", args.plot)
