@@ -101,10 +101,9 @@ def test_integration_example_runs(script):
 
 def test_every_example_is_smoke_tested():
     scripts = {p.name for p in (ROOT / "examples").glob("*.py")}
-    # fit_limit_models.py is a module of models for the fit-limit command, not a script:
+    # The fit-limit command's models are in the package (memsave_grads.bench.fit_limit_models):
     # tests/test_fit_limit.py::test_the_readme_models_build_and_plan.
-    assert scripts == set(SMALL_EXAMPLES) | {"session_loop.py", "tf_function_loop.py",
-                                             "fit_limit_models.py"}
+    assert scripts == set(SMALL_EXAMPLES) | {"session_loop.py", "tf_function_loop.py"}
 
 
 def _elementwise_chain() -> models.ModelSpec:

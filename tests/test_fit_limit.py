@@ -435,11 +435,11 @@ def test_fit_limit_command_finds_a_larger_batch_with_memsave(tmp_path):
     ("gpt_decoder", {"layers": 1, "sequence": 16}), ("lstm", {"steps": 6, "units": 8}),
     ("efficientnet_b0", {"image_size": 32})])
 def test_the_readme_models_build_and_plan(name, kwargs):
-    """examples/fit_limit_models.py (the README headline's models), smaller: each builds a
-    compiled Keras model (3, or tf_keras) whose training step memsave_grads plans (traced, not
-    run)."""
-    path = f"{fit_limit.__file__.rsplit('/memsave_grads/', 1)[0]}/examples/fit_limit_models.py"
-    model = fit_limit._load_function(f"{path}:{name}")(2, **kwargs)  # pylint: disable=protected-access
+    """memsave_grads.bench.fit_limit_models (the README headline's models, named as a module of
+    the installed package), smaller: each builds a compiled Keras model (3, or tf_keras) whose
+    training step memsave_grads plans (traced, not run)."""
+    source = f"memsave_grads.bench.fit_limit_models:{name}"
+    model = fit_limit._load_function(source)(2, **kwargs)  # pylint: disable=protected-access
     report = mg.explain(model, batch_size=2)
     assert report.forward_ops > 10 and report.predicted_plain_peak_bytes > 0, report
 
