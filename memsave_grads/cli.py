@@ -211,10 +211,10 @@ def _add_plot(parser: argparse.ArgumentParser, what: str) -> None:
 
 #: (name, one-line help, description) of each subcommand, in the order --help lists them.
 _COMMANDS = (
-    ("demo", "one SGD step of a deep residual MLP, three ways, as a table",
+    ("demo", "one SGD step of a deep residual MLP, tf.gradients vs memsave_grads, as a table",
      "One SGD step of a deep residual MLP (h = h + tanh(h @ W_i)) in a tf.compat.v1 Session, "
-     "three ways: tf.gradients, memsave_grads 'memory' and 'speed'. Prints a markdown table of "
-     "peak memory, median step time and gradient error."),
+     "with tf.gradients and with memsave_grads 'memory' (the default strategy), timed in "
+     "turns. Prints a markdown table of peak memory, median step time and gradient error."),
     ("benchmark", "the same measurements over model-scale networks",
      "The demo's measurements over model-scale networks: Keras 2 (tf_keras) ResNet50, "
      "DenseNet121, MobileNetV2, a U-Net and a Transformer encoder stack, a deep residual MLP, "

@@ -38,8 +38,11 @@ def test_demo_prints_table_and_summary():
     out = proc.stdout
     assert ("| method | peak MiB | predicted MiB | vs tf.gradients | median step ms | "
             "time ratio | max rel grad err |") in out
-    for label in ("| tf.gradients |", "| memsave_grads 'memory' |", "| memsave_grads 'speed' |"):
+    for label in ("| tf.gradients |", "| memsave_grads 'memory' |"):
         assert label in out, out
+    # Only measured differences: no row (or warning) for a strategy that would run
+    # tf.gradients again on this network.
+    assert "'speed'" not in out and "saves no memory" not in proc.stderr, proc.stderr
     reference_row = next(line for line in out.splitlines() if line.startswith("| tf.gradients |"))
     assert float(reference_row.split("|")[2]) > 0, reference_row
     assert out.strip().splitlines()[-1].startswith("memsave_grads 'memory': ")
@@ -164,6 +167,16 @@ def test_xla_models_are_selected_by_the_benchmark_s_names():
         assert any(spec.name.startswith(name) for name in names), spec.name
     assert [s.name for s in models.select(models.xla_models(), ["transformer"])] == [
         "Transformer 8 layers b=8 seq=256 (raw ops)"]
+
+
+def test_a_row_that_ran_tf_gradients_again_shows_no_ratio_of_noise():
+    reference = harness.Result("m", harness.REFERENCE, peak_bytes=100, median_seconds=1.0)
+    again = harness.Result("m", harness.SPEED, peak_bytes=101, median_seconds=0.8,
+                           max_rel_error=0.0, rewritten=False)
+    row = harness.demo_table([reference, again]).splitlines()[-1]
+    assert "1.00x (tf.gradients ran)" in row and "0.80x" not in row
+    line = harness.summary_line([reference, again], harness.SPEED)
+    assert line.endswith("so tf.gradients ran") and "step time" not in line
 
 
 def test_ratio_formatting():

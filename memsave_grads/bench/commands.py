@@ -67,7 +67,7 @@ def _budget_methods(fractions) -> list[harness.Method]:
 
 
 def demo(args: argparse.Namespace) -> int:
-    """``demo``: the residual MLP, three methods, one table."""
+    """``demo``: the residual MLP, tf.gradients against "memory", one table."""
     spec = models.residual_mlp(args.depth, args.width, args.batch)
     activation_mib = args.batch * args.width * 4 / measure.MIB
     weights_mib = args.depth * args.width * args.width * 4 / measure.MIB
@@ -75,14 +75,10 @@ def demo(args: argparse.Namespace) -> int:
           f"{weights_mib:.3g} MiB of weights; one SGD step per run, median of "
           f"{args.repeats}. {_environment_line()}.\n", flush=True)
     start = time.perf_counter()
-    results = harness.measure_model(spec, repeats=args.repeats)
+    results = harness.measure_model(spec, harness.DEMO_METHODS, repeats=args.repeats)
     logging.info("demo measured in %.1f s", time.perf_counter() - start)
     print(harness.demo_table(results))
     print()
-    for method in harness.DEFAULT_METHODS[1:]:
-        line = harness.summary_line(results, method)
-        if line and method is not harness.MEMORY:
-            print(line)
     line = harness.summary_line(results, harness.MEMORY)
     print(line or f"{harness.MEMORY.label}: n/a ({results[1].skipped or results[1].failed})")
     return 0
