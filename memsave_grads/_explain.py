@@ -99,6 +99,19 @@ class PlanReport:
         """Recomputed FLOPs over the forward pass's (0.3: 30% of a forward pass again)."""
         return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
 
+    def as_dict(self) -> dict:
+        """The report as plain data (numbers in bytes and FLOPs, names as strings), for JSON:
+        every attribute, ``checkpoints`` as its ``repr`` where it is not a string, and the
+        derived ``recompute_fraction``."""
+        # Not dataclasses.asdict, which deep-copies: checkpoints may hold graph tensors.
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if not isinstance(self.checkpoints, str):
+            data["checkpoints"] = repr(self.checkpoints)
+        data["checkpoint_names"] = list(self.checkpoint_names)
+        data["levels"] = [dataclasses.asdict(level) for level in self.levels]
+        data["recompute_fraction"] = self.recompute_fraction
+        return data
+
     @property
     def predicted_saving(self) -> float:
         """Predicted tf.gradients peak over this plan's (2.0: half the memory)."""

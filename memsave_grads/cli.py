@@ -197,6 +197,13 @@ def _add_output(parser: argparse.ArgumentParser) -> None:
                         help="also write the tables to this markdown file")
 
 
+def _add_format(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=("markdown", "json"), default="markdown",
+                        help="markdown tables for people, or one JSON object with the raw "
+                             "numbers (bytes, seconds) for programs; --output then holds the "
+                             "same (default: %(default)s)")
+
+
 def _add_plot(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--plot", type=_plot_path, metavar="FILE",
                         help=f"write {what} to this PNG file (needs matplotlib)")
@@ -204,10 +211,10 @@ def _add_plot(parser: argparse.ArgumentParser, what: str) -> None:
 
 #: (name, one-line help, description) of each subcommand, in the order --help lists them.
 _COMMANDS = (
-    ("demo", "one SGD step of a deep residual MLP, three ways, as a table",
+    ("demo", "one SGD step of a deep residual MLP, tf.gradients vs memsave_grads, as a table",
      "One SGD step of a deep residual MLP (h = h + tanh(h @ W_i)) in a tf.compat.v1 Session, "
-     "three ways: tf.gradients, memsave_grads 'memory' and 'speed'. Prints a markdown table of "
-     "peak memory, median step time and gradient error."),
+     "with tf.gradients and with memsave_grads 'memory' (the default strategy), timed in "
+     "turns. Prints a markdown table of peak memory, median step time and gradient error."),
     ("benchmark", "the same measurements over model-scale networks",
      "The demo's measurements over model-scale networks: Keras 2 (tf_keras) ResNet50, "
      "DenseNet121, MobileNetV2, a U-Net and a Transformer encoder stack, a deep residual MLP, "
@@ -260,6 +267,7 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
         _add_repeats(parser)
         _add_models(parser)
         _add_output(parser)
+        _add_format(parser)
         parser.add_argument("--xla", choices=("with", "without", "only"), default="with",
                             help="the table under XLA (tf.function with and without "
                                  "jit_compile, against tf.recompute_grad): with the graph "
@@ -282,6 +290,7 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
                             help="the strategy to explain: "
                                  f"{', '.join(STRATEGY_NAMES)} or a budget such as "
                                  "'budget:50%%' (default: %(default)s)")
+        _add_format(parser)
     elif name == "budgets":
         _add_models(parser)
         _add_fractions(parser)
@@ -337,6 +346,7 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
                                  "doubling size, and a tensor cannot span two)")
         _add_plot(parser, "peak memory against size, per method")
         _add_output(parser)
+        _add_format(parser)
     elif name == "solvers":
         from memsave_grads.bench import models  # pylint: disable=import-outside-toplevel
         _add_models(parser, default="the small graphs, all solvers")
