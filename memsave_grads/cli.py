@@ -200,8 +200,7 @@ def _add_output(parser: argparse.ArgumentParser) -> None:
 def _add_format(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("markdown", "json"), default="markdown",
                         help="markdown tables for people, or one JSON object with the raw "
-                             "numbers (bytes, seconds) for programs; --output then holds the "
-                             "same (default: %(default)s)")
+                             "numbers (bytes, seconds) for programs (default: %(default)s)")
 
 
 def _add_plot(parser: argparse.ArgumentParser, what: str) -> None:
