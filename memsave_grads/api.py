@@ -159,23 +159,39 @@ def assume_batch_size(batch_size: int):
         yield
 
 
+#: Who the fallback's warnings name as the caller: ``gradients_or_fallback``'s callers
+#: (``patch()``, the Keras step, a routed tape) set it for their call.
+_CALLER: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "memsave_grads_caller", default="memsave_grads.gradients")
+
+
 @tf.autograph.experimental.do_not_convert
 def gradients(ys: Targets, xs: Sources, grad_ys: Targets | None = None,
-              checkpoints: Checkpoints = "collection", **tf_gradients_kwargs: Any) -> Gradients:
+              checkpoints: Checkpoints = "memory", fallback: str = "warn",
+              **tf_gradients_kwargs: Any) -> Gradients:
     """``tf.gradients(ys, xs, grad_ys)`` that recomputes forward activations to save memory.
 
     Keeps only the *checkpoint* tensors of the forward pass alive for the backward pass and
-    recomputes the rest, segment by segment, as backprop reaches them.
+    recomputes the rest, segment by segment, as backprop reaches them. With the defaults it is
+    a drop-in ``tf.gradients``: the same return value, a plan chosen automatically, and plain
+    ``tf.gradients`` (with one warning) wherever no plan is predicted to save memory, as
+    ``patch()``, ``GradientTape`` and ``wrap_model`` do.
 
     Args:
       ys: a tensor or list of tensors to differentiate.
       xs: a tensor, resource variable, or list of them.
       grad_ys: optional initial gradients, one per y (as in ``tf.gradients``).
-      checkpoints: what to keep. A strategy name: ``"collection"`` (tensors in the graph
-        collection ``"checkpoints"``), ``"speed"`` (outputs of matmul/conv/einsum ops),
-        ``"memory"`` (about sqrt(N) tensors that separate the graph, chosen automatically);
-        or a list of tensors; or a list of name patterns (globs over op names, or over tensor
-        names when they contain ``:``).
+      checkpoints: what to keep. ``"memory"`` (default: about sqrt(N) tensors that separate
+        the graph, chosen automatically for the lowest predicted peak); ``"speed"`` (outputs
+        of matmul/conv/einsum ops); a budget (``"budget:50%"``, :class:`Budget`);
+        ``"collection"`` (tensors in the graph collection ``"checkpoints"``, as the TF1
+        ``memory_saving_gradients`` defaulted to: pass it by name); or a list of tensors, or of
+        name patterns (globs over op names, or over tensor names when they contain ``:``).
+      fallback: ``"warn"`` (default): where the strategy finds nothing to keep or cannot
+        rewrite the graph (``NoCheckpointsFoundError``, ``UnsupportedGraphError``,
+        ``NotDifferentiableError``), log a warning and compute plain ``tf.gradients``; where a
+        budget is below every plan's predicted peak, plan for the smallest (one warning with
+        the numbers). ``"error"``: raise those errors instead.
       **tf_gradients_kwargs: passed on as in ``tf.gradients``: ``name``, ``gate_gradients``,
         ``aggregation_method``, ``stop_gradients``, ``unconnected_gradients``,
         ``colocate_gradients_with_ops``.
@@ -185,12 +201,22 @@ def gradients(ys: Targets, xs: Sources, grad_ys: Targets | None = None,
       ``None``) per x.
 
     Raises:
-      MemsaveGradsError subclasses (also ValueError/TypeError/RuntimeError) on bad input, and
-      ``NoCheckpointsFoundError`` when the strategy finds nothing to keep.
+      MemsaveGradsError subclasses (also ValueError/TypeError/RuntimeError) on bad input; with
+      ``fallback="error"``, ``NoCheckpointsFoundError`` when the strategy finds nothing to keep
+      and ``InfeasibleBudgetError`` for a budget no plan meets.
     """
+    _validate.check_fallback(fallback)
     calls = _GRADIENTS_CALLS.get()
     if calls is not None:
         calls.calls += 1
+    if fallback == "warn":
+        return _gradients_falling_back(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
+    return _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
+
+
+def _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: dict) -> Gradients:
+    """:func:`gradients` with ``fallback="error"``: the plan through the rewrite, or plain
+    gradients where the never-worse rule says so; the strategy's errors raised."""
     plain = _PLAIN_GRADIENTS.get()
     prepared = prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
     decision = selection.decide_schedule(prepared.selection, prepared.checkpoints, prepared.plan)
@@ -372,24 +398,31 @@ def prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
 
 def gradients_or_fallback(ys, xs, grad_ys, checkpoints, fallback: str, caller: str,
                           **tf_gradients_kwargs):
-    """:func:`gradients`, or the original ``tf.gradients`` (or whoever
+    """:func:`gradients` with ``fallback``, its warnings naming ``caller`` (``patch()``, the
+    Keras step, a routed tape)."""
+    token = _CALLER.set(caller)
+    try:
+        return gradients(ys, xs, grad_ys, checkpoints=checkpoints, fallback=fallback,
+                         **tf_gradients_kwargs)
+    finally:
+        _CALLER.reset(token)
+
+
+def _gradients_falling_back(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: dict):
+    """``fallback="warn"``: :func:`gradients`, or the original ``tf.gradients`` (or whoever
     :func:`plain_gradients_by` named) where the strategy has nothing to gain or the graph
-    cannot be rewritten (``errors.FALLBACK_ERRORS``): logged for ``fallback="warn"``, raised
-    for ``"error"``. A budget no plan meets (``InfeasibleBudgetError``) gets, under
-    ``"warn"``, the plan with the smallest predicted peak and one warning stating the
-    numbers."""
+    cannot be rewritten (``errors.FALLBACK_ERRORS``), with a warning; a budget no plan meets
+    (``InfeasibleBudgetError``) gets the plan with the smallest predicted peak and one
+    warning stating the numbers."""
     plain = _PLAIN_GRADIENTS.get()
+    caller = _CALLER.get()
     try:
         try:
-            return gradients(ys, xs, grad_ys, checkpoints=checkpoints, **tf_gradients_kwargs)
+            return _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
         except errors.InfeasibleBudgetError as exc:
-            if fallback == "error":
-                raise
             return _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, exc, caller,
                                                tf_gradients_kwargs)
     except errors.FALLBACK_ERRORS as exc:
-        if fallback == "error":
-            raise
         logging.warning("%s: falling back to %s: %s", caller,
                         "tf.gradients" if plain is None else plain.name, exc)
         return _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs, plain)
@@ -434,7 +467,8 @@ def _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, infeasible, caller
                  f"{computed_by} computes these gradients.")
             return _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs, plain)
         try:
-            grads = gradients(ys, xs, grad_ys, checkpoints=retry, **tf_gradients_kwargs)
+            grads = gradients(ys, xs, grad_ys, checkpoints=retry, fallback="error",
+                              **tf_gradients_kwargs)
         except errors.InfeasibleBudgetError as again:
             error = again
             continue
@@ -447,8 +481,9 @@ def _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, infeasible, caller
 
 def _shortcut(strategy: str):
     @tf.autograph.experimental.do_not_convert
-    def shortcut(ys, xs, grad_ys=None, **tf_gradients_kwargs):
-        return gradients(ys, xs, grad_ys, checkpoints=strategy, **tf_gradients_kwargs)
+    def shortcut(ys, xs, grad_ys=None, fallback="warn", **tf_gradients_kwargs):
+        return gradients(ys, xs, grad_ys, checkpoints=strategy, fallback=fallback,
+                         **tf_gradients_kwargs)
 
     shortcut.__name__ = f"gradients_{strategy}"
     shortcut.__qualname__ = shortcut.__name__
