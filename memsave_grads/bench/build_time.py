@@ -20,7 +20,7 @@ from absl import logging
 
 from memsave_grads import api
 from memsave_grads.bench import graphs
-from memsave_grads.bench import tables
+from memsave_grads import _tables as tables
 from memsave_grads.patching import original_gradients
 
 
@@ -67,7 +67,7 @@ DEFAULT_SIZES = {"residual": (250, 1000, 3000), "transformer": (6, 24, 48),
 class BuildResult:
     spec: BuildSpec
     graph_ops: int
-    forward_ops: int
+    tf_gradients_ops: int
     seconds: dict  # method -> best CPU seconds
     failed: dict = dataclasses.field(default_factory=dict)  # method -> error line
 
@@ -91,7 +91,7 @@ def measure(spec: BuildSpec, methods: Sequence, rounds: int = 3) -> BuildResult:
     ``rounds`` times; the best CPU time of each."""
     best: dict = {}
     failed: dict = {}
-    graph_ops = forward_ops = 0
+    graph_ops = tf_gradients_ops = 0
     for round_ in range(rounds):
         for k in range(len(methods)):
             method = methods[(round_ + k) % len(methods)]
@@ -105,11 +105,18 @@ def measure(spec: BuildSpec, methods: Sequence, rounds: int = 3) -> BuildResult:
                 logging.exception("%s %d, %s failed", spec.family, spec.size, label)
                 continue
             if method is None:
-                forward_ops = added
+                tf_gradients_ops = added
             best[label] = min(best.get(label, float("inf")), seconds)
     logging.info("%s %d: %s", spec.family, spec.size,
                  {m: f"{s:.2f} s" for m, s in best.items()})
-    return BuildResult(spec, graph_ops, forward_ops, best, failed)
+    return BuildResult(spec, graph_ops, tf_gradients_ops, best, failed)
+
+
+def as_data(result: BuildResult) -> dict:
+    """One graph's row for ``--format json``: CPU seconds by method, not ratios."""
+    return {"family": result.spec.family, "size": result.spec.size,
+            "graph_ops": result.graph_ops, "tf_gradients_ops": result.tf_gradients_ops,
+            "cpu_seconds": dict(result.seconds), "failed": dict(result.failed)}
 
 
 def _label(method) -> str:
@@ -124,7 +131,7 @@ def table(results: Sequence[BuildResult], methods: Sequence) -> str:
     rows = []
     for r in results:
         plain = r.seconds.get(labels[0])
-        cells = [r.spec.family, str(r.spec.size), str(r.graph_ops), str(r.forward_ops),
+        cells = [r.spec.family, str(r.spec.size), str(r.graph_ops), str(r.tf_gradients_ops),
                  "-" if plain is None else tables.number(plain)]
         for label in labels[1:]:
             if label in r.failed:

@@ -32,8 +32,8 @@ from absl import logging
 
 from memsave_grads import api
 from memsave_grads import measure as measure_lib
-from memsave_grads.bench import child
-from memsave_grads.bench import tables
+from memsave_grads import _child as child
+from memsave_grads import _tables as tables
 from memsave_grads.bench.harness import PEAK_RUNS
 from memsave_grads.bench.models import XlaSpec
 from memsave_grads.patching import original_gradients
@@ -244,7 +244,7 @@ def _loss_and_grads(model: BlockModel, method: str, layers: Sequence | None = No
     loss = model.head(h)
     if method == PLAIN:
         return loss, original_gradients(loss, model.variables)
-    return loss, api.gradients(loss, model.variables, checkpoints="memory")
+    return loss, api.gradients(loss, model.variables, checkpoints="memory", fallback="error")
 
 
 @dataclasses.dataclass

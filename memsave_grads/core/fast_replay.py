@@ -14,8 +14,8 @@ doing each as cheaply as it can be done:
 * **each level** depends only on the nodes it recomputes, which of them a gradient reached,
   and which of the gradients it adds to (kept nodes outside it) already exist.
 
-The last two run memory_model's own steps (``_backward_readers``, ``_forward``,
-``_backward_step``) on a ledger of their own, and their effect (the highest point above where
+The last two run memory_model's own steps (``backward_readers``, ``forward_sweep``,
+``backward_step``) on a ledger of their own, and their effect (the highest point above where
 they started, the bytes they leave, the gradients alive after them) is cached: the plans a
 search scores share most of their segments (a fill keeps one more node in one segment,
 dropping a trailing cut changes the top alone). Phases add up because the ledger is a sum.
@@ -62,7 +62,7 @@ class FastReplay:
         self.sink = np.asarray(graph.feeds_sink, dtype=bool)
         self.costs = np.asarray([graph.cost_of(v) for v in range(n)], dtype=np.float64)
         # The forward pass over every node: each output's last reader, and which inputs end
-        # at each node (in the sorted order memory_model._forward visits them).
+        # at each node (in the sorted order memory_model.forward_sweep visits them).
         last = np.full(n, -1, dtype=np.int64)
         for v, preds in enumerate(self.unique_inputs):
             for p in preds:
@@ -74,7 +74,7 @@ class FastReplay:
             if last[p] >= 0:
                 ending[int(last[p])].append(p)
         # Elementwise nodes that may write into an input ending at them of their own size, as
-        # (node, input) pairs in the order memory_model._forward tries them.
+        # (node, input) pairs in the order memory_model.forward_sweep tries them.
         pairs = [(v, p) for v in range(n) if graph.forwards_buffer(v) and graph.size_bytes[v]
                  for p in sorted(ending[v]) if graph.size_bytes[p] == graph.size_bytes[v]]
         self.donor_node = np.asarray([v for v, _ in pairs], dtype=np.int64)
@@ -163,7 +163,7 @@ class FastReplay:
             kept_mask[list(kept)] = True
         weights = self.costs if costs is None else costs
         cost = float(weights[(owner_array >= 0) & ~kept_mask].sum())
-        live, peak = self._forward(kept_mask, in_top)
+        live, peak = self.forward_sweep(kept_mask, in_top)
         top = np.flatnonzero(in_top)
         top_peak, top_delta, grads = self._top(top)
         peak = max(peak, live + top_peak)
@@ -200,8 +200,8 @@ class FastReplay:
         cost = float(sum(weights[v] for v in sched.recomputed_nodes()))
         return memory_model.replay(self.graph, sched, self.workspace_bytes)[0], cost
 
-    def _forward(self, kept_mask: np.ndarray, in_top: np.ndarray) -> tuple[int, int]:
-        """memory_model._forward over every node: (bytes live after it, its peak)."""
+    def forward_sweep(self, kept_mask: np.ndarray, in_top: np.ndarray) -> tuple[int, int]:
+        """memory_model.forward_sweep over every node: (bytes live after it, its peak)."""
         n = self.n
         reader_in_top = np.zeros(n, dtype=bool)
         if self.read_from.size:
@@ -214,7 +214,7 @@ class FastReplay:
                             minlength=n).astype(np.int64)
         frees += np.where(~self.has_reader & ~retained, buffer, 0)
         if self.donor_node.size:
-            # The first input of each node that it may write into (memory_model._forward).
+            # The first input of each node that it may write into (memory_model.forward_sweep).
             v, p = self.donor_node, self.donor_input
             usable = (buffer[v] > 0) & ~retained[p] & (buffer[p] == buffer[v])
             nodes, first = np.unique(v[usable], return_index=True)
@@ -233,11 +233,11 @@ class FastReplay:
         if key not in self._top_cache:
             members = top.tolist()
             graph = self.graph
-            release_at, _ = memory_model._backward_readers(graph, self.consumers, members)  # pylint: disable=protected-access
-            ledger = memory_model._Ledger()  # pylint: disable=protected-access
+            release_at, _ = memory_model.backward_readers(graph, self.consumers, members)
+            ledger = memory_model.Ledger()
             grads: set = set()
             for v in reversed(members):
-                memory_model._backward_step(graph, v, grads, ledger, release_at,  # pylint: disable=protected-access
+                memory_model.backward_step(graph, v, grads, ledger, release_at,
                                             self.workspace_bytes)
             self._top_cache[key] = (ledger.peak, ledger.live, frozenset(grads))
         return self._top_cache[key]
@@ -267,18 +267,18 @@ class FastReplay:
         key = (recomputed, active, arrived)
         if key not in self._level_cache:
             graph, workspace = self.graph, self.workspace_bytes
-            ledger = memory_model._Ledger()  # pylint: disable=protected-access
+            ledger = memory_model.Ledger()
             grads = set(active) | set(arrived)
             if recomputed:
-                release, saved = memory_model._backward_readers(graph, self.consumers,  # pylint: disable=protected-access
+                release, saved = memory_model.backward_readers(graph, self.consumers,
                                                                 recomputed)
-                memory_model._forward(graph, recomputed, self.consumers, saved, ledger,  # pylint: disable=protected-access
+                memory_model.forward_sweep(graph, recomputed, self.consumers, saved, ledger,
                                       kept=())
                 for v in reversed(recomputed):
-                    memory_model._backward_step(graph, v, grads, ledger, release, workspace)  # pylint: disable=protected-access
+                    memory_model.backward_step(graph, v, grads, ledger, release, workspace)
             for k in active:
                 if k in grads:  # a never-replayed kept node: its gradient goes to xs
-                    memory_model._backward_step(graph, k, grads, ledger, {}, workspace)  # pylint: disable=protected-access
+                    memory_model.backward_step(graph, k, grads, ledger, {}, workspace)
             self._level_cache[key] = (ledger.peak, ledger.live, frozenset(grads))
         return self._level_cache[key]
 

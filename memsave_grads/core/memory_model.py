@@ -57,7 +57,7 @@ VARIABLE_UPDATE_FACTOR = 2
 CONV_FILTER_GRADIENT_WORKING_SET_BYTES = 30 * 2**20
 
 
-class _Ledger:
+class Ledger:
     """Bytes in use and the highest value seen."""
 
     def __init__(self):
@@ -114,12 +114,12 @@ def plain_peak_bytes(graph: graph_lib.ForwardGraph,
     """
     n = graph.num_nodes
     consumers = graph.consumers()
-    release_at, retained = _backward_readers(graph, consumers, range(n))
-    ledger = _Ledger()
-    _forward(graph, range(n), consumers, retained, ledger, kept=())
+    release_at, retained = backward_readers(graph, consumers, range(n))
+    ledger = Ledger()
+    forward_sweep(graph, range(n), consumers, retained, ledger, kept=())
     grads: set[int] = set()
     for v in reversed(range(n)):
-        _backward_step(graph, v, grads, ledger, release_at, workspace_bytes)
+        backward_step(graph, v, grads, ledger, release_at, workspace_bytes)
     return ledger.peak
 
 
@@ -160,7 +160,7 @@ class _Replayer:
         self.consumers = graph.consumers()
         self.workspace_bytes = workspace_bytes
         self.trace = trace
-        self.ledger = _Ledger()
+        self.ledger = Ledger()
         self.grads: set[int] = set()
         self.cost = 0.0
 
@@ -171,11 +171,11 @@ class _Replayer:
         sub-plans, as a schedule of their own), and step through never-replayed kept nodes."""
         graph, ledger, grads, workspace = self.graph, self.ledger, self.grads, self.workspace_bytes
         kept = sched.kept
-        release_at, top_retained = _backward_readers(graph, self.consumers, sched.top)
+        release_at, top_retained = backward_readers(graph, self.consumers, sched.top)
         retained = {v: v in kept or top_retained.get(v, False) for v in sched.members}
-        _forward(graph, sched.members, self.consumers, retained, ledger, kept)
+        forward_sweep(graph, sched.members, self.consumers, retained, ledger, kept)
         for v in reversed(sched.top):
-            _backward_step(graph, v, grads, ledger, release_at, workspace)
+            backward_step(graph, v, grads, ledger, release_at, workspace)
         for level in sched.levels:
             group = level.nodes
             for k in group:
@@ -189,13 +189,13 @@ class _Replayer:
             if nested is not None:
                 self.run(nested)
             else:
-                release, saved = _backward_readers(graph, self.consumers, recomputed)
-                _forward(graph, recomputed, self.consumers, saved, ledger, kept=())
+                release, saved = backward_readers(graph, self.consumers, recomputed)
+                forward_sweep(graph, recomputed, self.consumers, saved, ledger, kept=())
                 for v in reversed(recomputed):
-                    _backward_step(graph, v, grads, ledger, release, workspace)
+                    backward_step(graph, v, grads, ledger, release, workspace)
             for k in active:
                 if k in grads:  # a never-replayed kept node: its gradient goes to xs
-                    _backward_step(graph, k, grads, ledger, {}, workspace)
+                    backward_step(graph, k, grads, ledger, {}, workspace)
 
 
 def retained_bytes(graph: graph_lib.ForwardGraph) -> list[int]:
@@ -210,7 +210,7 @@ def retained_bytes(graph: graph_lib.ForwardGraph) -> list[int]:
     return out
 
 
-def _backward_readers(graph, consumers, members) -> tuple[dict, dict]:
+def backward_readers(graph, consumers, members) -> tuple[dict, dict]:
     """Which outputs the backward pass over ``members`` reads, and after which step it may
     free them: the last of its readers in reverse order, i.e. the lowest-numbered one."""
     members = list(members)
@@ -235,7 +235,7 @@ def _buffer_bytes(graph, v, kept) -> int:
     return graph.size_bytes[v] if v in kept or not graph.is_view(v) else 0
 
 
-def _forward(graph, order, consumers, retained, ledger, kept) -> None:
+def forward_sweep(graph, order, consumers, retained, ledger, kept) -> None:
     """Run ``order`` forward, freeing each output after its last consumer in ``order`` unless
     ``retained``."""
     order = list(order)
@@ -262,7 +262,7 @@ def _forward(graph, order, consumers, retained, ledger, kept) -> None:
             ledger.free(size)
 
 
-def _backward_step(graph, v, grads: set, ledger, release_at,
+def backward_step(graph, v, grads: set, ledger, release_at,
                    workspace_bytes: Sequence[int] | None = None) -> None:
     """Backprop through ``v``: allocate its inputs' gradients and its variables' gradients
     (a spike where each is applied at once, as is the kernels' scratch; held to the end of the
