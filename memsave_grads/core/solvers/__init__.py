@@ -64,8 +64,10 @@ SOLVERS: dict[str, Callable[[problem_lib.BudgetProblem], plan_lib.Plan]] = {
 def solve(problem: problem_lib.BudgetProblem,
           solver: str = budgets.DEFAULT_SOLVER) -> plan_lib.Plan:
     """``SOLVERS[solver]``; a budget below every single-level plan goes to ``"revolve"``, whose
-    nested levels reach lower peaks (if it fails too, the error states the lower of the two
-    smallest peaks)."""
+    nested levels reach lower peaks. If it fails too, the error states the lower of the two
+    smallest peaks: revolve's (``revolve.smallest_peak_plan``, which counts the single-level
+    ``"memory"`` plan too), one number whatever the budget asked, met by a plan at that
+    budget."""
     try:
         plan = SOLVERS[solver](problem)
     except errors.InfeasibleBudgetError as single_level:
@@ -74,7 +76,8 @@ def solve(problem: problem_lib.BudgetProblem,
         try:
             plan = SOLVERS["revolve"](problem)
         except errors.InfeasibleBudgetError as nested:
-            # State the lower of the two minimums: on wide graphs revolve's can be higher.
+            # The lower of the two minimums (revolve's counts the single-level plan: never
+            # higher).
             if nested.min_feasible_bytes <= single_level.min_feasible_bytes:
                 raise nested from single_level
             raise single_level from None

@@ -123,7 +123,6 @@ class Scorer:
         self.problem = problem
         self.max_plans = max_plans
         self.cache: dict[frozenset, tuple[frozenset, int, float]] = {}
-        self.smallest_peak = math.inf
         self.best: tuple[frozenset, int, float] | None = None
 
     def __call__(self, kept) -> tuple[frozenset, int, float]:
@@ -134,7 +133,6 @@ class Scorer:
             result = score(self.problem, key)
             self.cache[key] = result
             closed, peak, cost = result
-            self.smallest_peak = min(self.smallest_peak, peak)
             if peak <= self.problem.budget_bytes and (
                     self.best is None or (cost, peak) < (self.best[2], self.best[1])):
                 self.best = result
@@ -145,14 +143,15 @@ class Scorer:
 
     def plan(self, solver: str, started: float, optimal: bool = False) -> plan_lib.Plan:
         if self.best is None:
-            # For the error: the smallest peak known, at least that of the "memory" plan.
+            # The "memory" plan, the lowest single-level peak: the minimum the error states,
+            # the same whatever the budget (the plans scored depend on it), and a budget of
+            # it is met by that plan.
             problem = self.problem
             lowest = planners.frontier_cuts(problem.graph, problem.must_keep, problem.candidates,
                                             problem.not_replayed)
-            if lowest is not None:
-                self(lowest.kept)
-        if self.best is None:
-            raise infeasible(self.problem, int(self.smallest_peak), solver)
+            _, smallest, _ = self(lowest.kept if lowest is not None else problem.must_keep)
+            if self.best is None:
+                raise infeasible(self.problem, smallest, solver)
         kept, peak, cost = self.best
         reason = (f"the plan that recomputes least among those it scored whose predicted peak "
                   f"fits the budget{' (proven optimal in its search space)' if optimal else ''}")
