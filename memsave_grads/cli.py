@@ -263,6 +263,13 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
                             help="the table under XLA (tf.function with and without "
                                  "jit_compile, against tf.recompute_grad): with the graph "
                                  "table, without it, or only it (default: %(default)s)")
+        parser.add_argument("--control-flow", choices=("with", "without", "only"),
+                            default="without",
+                            help="the control-flow table (the same blocks plain, in a tf.cond "
+                                 "each, as nested tf.functions and in one tf.while_loop, "
+                                 "tf.gradients against 'memory', a fresh process per cell): "
+                                 "with the other tables, without it, or only it "
+                                 "(default: %(default)s)")
     elif name == "scaling":
         _add_models(parser, default="all Keras networks", catalogue="keras_models")
         _add_plot(parser, "the peak-vs-depth plot")

@@ -20,6 +20,7 @@ from memsave_grads import _explain as explain_lib
 from memsave_grads import errors
 from memsave_grads import keras as mg_keras
 from memsave_grads import measure
+from memsave_grads.bench import control_flow as bench_control_flow
 from memsave_grads.bench import fit_limit
 from memsave_grads.bench import harness
 from memsave_grads.bench import models
@@ -77,14 +78,20 @@ def benchmark(args: argparse.Namespace) -> int:
     model failed unexpectedly."""
     start = time.perf_counter()
     sections, status = [], 0
-    if args.xla != "only":
+    control_flow_only = args.control_flow == "only"
+    if args.xla != "only" and not control_flow_only:
         table, status = _graph_benchmark(args)
         sections.append(table + "\n\n" + harness.TABLE_NOTES)
-    if args.xla != "without":
+    if args.xla != "without" and not control_flow_only:
         table, xla_status = _xla_benchmark(args)
         status = max(status, xla_status)
         if table:
             sections.append("## Under XLA\n\n" + table + "\n\n" + bench_xla.TABLE_NOTES)
+    if args.control_flow != "without":
+        table, cf_status = _control_flow_benchmark()
+        status = max(status, cf_status)
+        sections.append("## Control flow and calls\n\n" + table + "\n\n"
+                        + bench_control_flow.TABLE_NOTES)
     logging.info("benchmark measured in %.1f s", time.perf_counter() - start)
     text = "\n\n".join(sections)
     print(text)
@@ -130,6 +137,16 @@ def _xla_benchmark(args: argparse.Namespace) -> tuple[str, int]:
         all_results.append(bench_xla.measure_model(spec, repeats=args.repeats))
     failed = any(r.failed for results in all_results for r in results)
     return (bench_xla.table(all_results) if all_results else ""), int(failed)
+
+
+def _control_flow_benchmark() -> tuple[str, int]:
+    """The table of :mod:`bench.control_flow`: four forward passes, two methods."""
+    shape = bench_control_flow.Shape()
+    logging.info("[control flow] %d blocks, width %d, batch %d (%.3g MiB per activation), "
+                 "a fresh process per cell ...", shape.depth, shape.width, shape.batch,
+                 shape.activation_mib)
+    results = bench_control_flow.measure_all(shape)
+    return bench_control_flow.table(results), int(any(r.failed for r in results))
 
 
 def scaling(args: argparse.Namespace) -> int:
