@@ -263,7 +263,7 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
         top_segment_ops=len(sched.top),
         levels=tuple(lv for lv in levels if lv.recomputed_ops),
         predicted_peak_bytes=peak,
-        predicted_plain_peak_bytes=memory_model.plain_peak_bytes(model),
+        predicted_plain_peak_bytes=memory_model.plain_peak_bytes(ctx.plain_model),
         unknown_dimensions=ctx.unknown_dimensions,
         recompute_flops=recompute_flops,
         forward_flops=model.forward_cost(),

@@ -15,6 +15,7 @@ from absl import logging
 from memsave_grads import _validate
 from memsave_grads import errors
 from memsave_grads._tf import graph as tf_graph
+from memsave_grads._tf import loops
 from memsave_grads._tf import ordering
 from memsave_grads._tf import selection
 from memsave_grads._tf import stitch
@@ -136,21 +137,21 @@ def _warn_plain_once(checkpoints, prepared: "_Prepared", reason: str) -> None:
     if key in _WARNED_PLAIN:
         return
     _WARNED_PLAIN.add(key)
-    loops = [op for op in prepared.region if op.type in op_types.WHILE_OP_TYPES]
-    if loops and all(tf_graph.loop_body_has_custom_gradient(op) for op in loops):
+    while_ops = [op for op in prepared.region if op.type in op_types.WHILE_OP_TYPES]
+    if while_ops and all(tf_graph.loop_body_has_custom_gradient(op) for op in while_ops):
         # Keras 3 recurrent layers under wrap_model, or a user's recompute(step): the saving
         # is inside the loops, which plain tf.gradients differentiates as they are.
         logging.info(
             "memsave_grads: checkpoints=%.80r: outside its %d loop(s), whose steps recompute "
             "inside, this graph of %d forward ops has nothing to save (%s); tf.gradients "
-            "differentiates it.", checkpoints, len(loops), len(prepared.region), reason)
+            "differentiates it.", checkpoints, len(while_ops), len(prepared.region), reason)
         return
     loop_hint = (
-        f" {len(loops)} of those ops are loops, which the planner keeps or recomputes whole "
-        "while their gradients store what every iteration needs: to save inside a loop, "
-        "recompute its step with memsave_grads.recompute(step_fn) (wrap_model does so for "
-        "Keras 3 recurrent layers, unless recompute_cells=False or XLA compiles the step; "
-        "docs/recurrent.md)." if loops else "")
+        f" {len(while_ops)} of those ops are loops whose gradients store what every iteration "
+        "needs; 'memory' and budgets recompute a loop's body inside where that stores less, "
+        "but not under XLA, nor where a stateful op of the body reads a value the iteration "
+        "computes: to save inside such a loop, recompute its step with "
+        "memsave_grads.recompute(step_fn) (docs/recurrent.md)." if while_ops else "")
     logging.warning(
         "memsave_grads: checkpoints=%.80r saves no memory on this graph of %d forward ops (%s); "
         "plain tf.gradients computes its gradients, at tf.gradients' own peak.%s "
@@ -162,6 +163,7 @@ def run_plan(prepared: "_Prepared", plan: plan_lib.Plan) -> list:
     """Run ``plan`` (node numbers of ``prepared.selection.model``) through the rewrite: the
     gradients, one per given x. ``gradients()`` runs the selected plan; tests force others."""
     model = prepared.selection.model
+    loops.recompute_bodies(prepared.selection.recomputed_loops)
     options = stitch.CallOptions(
         user_stops=prepared.user_stops, tf_kwargs=prepared.tf_kwargs,
         unconnected_zero=prepared.unconnected == tf.UnconnectedGradients.ZERO,
@@ -265,10 +267,15 @@ def _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
 
     with graph.as_default():
         region = tf_graph.forward_region(ys, xs, stop_ops={t.op for t in user_stops})
-        must_keep = selection.forced_keep(region, xs)
+        # The strategies that choose for memory also recompute loops' bodies inside, where
+        # that stores less (design note "control flow and calls").
+        recomputed_loops = (loops.chosen(region) if select and _recomputes_loops(checkpoints)
+                            else {})
+        must_keep = selection.forced_keep(region, xs, recomputed_loops)
         ctx = selection.SelectionContext(graph=graph, region=region, xs=xs, ys=ys,
                                          must_keep=must_keep,
-                                         gradients_held=_GRADIENTS_HELD.get())
+                                         gradients_held=_GRADIENTS_HELD.get(),
+                                         recomputed_loops=recomputed_loops)
         # No forward op between xs and ys (ys do not depend on xs): nothing to choose; the
         # gradients are None (or zeros), as tf.gradients gives.
         plan = (selection.make_plan(ctx, checkpoints) if select and region
@@ -280,6 +287,11 @@ def _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
                      user_stops=user_stops,
                      tf_kwargs=kwargs, unconnected=unconnected, scope=scope, selection=ctx,
                      plan=plan)
+
+
+def _recomputes_loops(checkpoints) -> bool:
+    """``"memory"`` and budgets: the strategies that choose what to keep for memory."""
+    return checkpoints == "memory" or budgets.as_budget(checkpoints) is not None
 
 
 def gradients_or_fallback(ys, xs, grad_ys, checkpoints, fallback: str, caller: str,

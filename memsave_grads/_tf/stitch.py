@@ -20,6 +20,7 @@ from typing import Iterable, Mapping, Sequence
 import tensorflow as tf
 from absl import logging
 
+from memsave_grads._tf import exposure
 from memsave_grads._tf import ordering
 from memsave_grads._tf import rewrite
 from memsave_grads._tf import graph as tf_graph
@@ -257,7 +258,7 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
         with tf.name_scope(f"{scope}/arrival"):
             arrival = ordering.gradient_arrival(incoming)
     copies = rewrite.copy_ops(to_copy, scope, control, replacements=boundaries,
-                              arrival=arrival)
+                              arrival=arrival, replay=exposure.replay_copy)
     targets, target_grads, copied = [], [], []
     for k, ds in active:
         op = state.ops[k]

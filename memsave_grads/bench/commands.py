@@ -140,7 +140,7 @@ def _xla_benchmark(args: argparse.Namespace) -> tuple[str, int]:
 
 
 def _control_flow_benchmark() -> tuple[str, int]:
-    """The table of :mod:`bench.control_flow`: four forward passes, two methods."""
+    """The table of :mod:`bench.control_flow`: five forward passes, two methods."""
     shape = bench_control_flow.Shape()
     logging.info("[control flow] %d blocks, width %d, batch %d (%.3g MiB per activation), "
                  "a fresh process per cell ...", shape.depth, shape.width, shape.batch,

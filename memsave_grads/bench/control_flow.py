@@ -1,6 +1,6 @@
-"""The control-flow benchmark: the same residual blocks, four ways of writing the forward pass
-(plain, a ``tf.cond`` per block, a nested ``tf.function`` per block, one ``tf.while_loop``
-over stacked weights), trained one SGD step in a ``tf.function`` with ``tf.gradients`` and with
+"""The control-flow benchmark: the same residual blocks, written five ways (plain, a ``tf.cond``
+per block, the same with dropout in the training branch, a nested ``tf.function`` per block,
+one ``tf.while_loop`` over stacked weights), trained one SGD step in a ``tf.function`` with ``tf.gradients`` and with
 memsave_grads ``"memory"`` (``memsave-grads benchmark --control-flow only``; docs/benchmarks.md,
 "Control flow and calls").
 
@@ -9,8 +9,8 @@ module as a script): the executor's order and the allocator's history move a ste
 a process that ran another step before measured up to 1.5x more (``bench.xla``). Peaks are the
 CPU BFC allocator's, in bytes above what is in use before the step (the weights and the input
 are resident), over :data:`PEAK_RUNS` steps after one warm-up step. The gradient error compares
-the two methods on the *same* forward pass, in one step (dropout draws once), before any
-update.
+the two methods' first steps, each traced on its own (dropout seeded per block: the same
+draws), before any update.
 """
 
 from __future__ import annotations
@@ -33,10 +33,14 @@ from memsave_grads.patching import original_gradients
 #: The forward passes, in table order: (key, label).
 FORWARDS = (
     ("plain", "plain blocks"),
-    ("cond", "each block inside tf.cond(training, ...) (dropout when training)"),
+    ("cond", "each block's branch inside tf.cond(training, ...)"),
+    ("cond_dropout", "the same, with dropout in the training branch"),
     ("function", "each block a nested tf.function"),
     ("while", "the blocks in one tf.while_loop over stacked weights"),
 )
+#: The residual branch's scale at inference in the cond rows (stochastic depth's survival
+#: probability).
+SURVIVAL_PROBABILITY = 0.9
 #: The methods: (key, label); the first is the reference.
 METHODS = (("tf.gradients", "tf.gradients"), ("memory", "memsave_grads 'memory'"))
 #: The dropout rate of the cond row's training branch.
@@ -85,10 +89,17 @@ class Model:
             for w in self.variables:
                 h = _block(h, w)
         elif self.forward_kind == "cond":
+            # Stochastic depth's shape: the residual branch, scaled at inference.
             for w in self.variables:
+                h = h + tf.cond(training, lambda h=h, w=w: tf.tanh(tf.matmul(h, w)),
+                                lambda h=h, w=w: SURVIVAL_PROBABILITY * tf.tanh(tf.matmul(h, w)))
+        elif self.forward_kind == "cond_dropout":
+            for i, w in enumerate(self.variables):
+                # Seeded: the reference's step and ours draw the same masks (gradient error).
                 h = h + tf.cond(
                     training,
-                    lambda h=h, w=w: tf.nn.dropout(tf.tanh(tf.matmul(h, w)), DROPOUT_RATE),
+                    lambda h=h, w=w, i=i: tf.nn.dropout(tf.tanh(tf.matmul(h, w)), DROPOUT_RATE,
+                                                        seed=i + 1),
                     lambda h=h, w=w: tf.tanh(tf.matmul(h, w)))
         elif self.forward_kind == "function":
             for block in self.block_functions:
@@ -166,6 +177,7 @@ def _max_rel_error(grads, reference) -> float:
 def _measure_here(request: dict, learning_rate: float = 1e-4) -> dict:
     """The child's side of :func:`measure`."""
     measure_lib.reserve_cpu_heap()
+    tf.random.set_seed(0)
     shape = Shape(**request["shape"])
     model = Model(request["forward"], shape)
     method = request["method"]
@@ -174,18 +186,24 @@ def _measure_here(request: dict, learning_rate: float = 1e-4) -> dict:
     signature = [tf.TensorSpec([], tf.bool)]
 
     if method != METHODS[0][0]:
+        # Each in its own function, called once: the same seeded draws, and neither sees the
+        # other's gradient ops (a gradient built first changes what the forward ops output).
         @tf.function(input_signature=signature, autograph=False)
-        def both(training):
+        def reference_gradients(training):
+            return model.gradients(model.loss(training), METHODS[0][0])
+
+        @tf.function(input_signature=signature, autograph=False)
+        def our_gradients(training):
             loss = model.loss(training)
             report = explain_lib.explain(loss, model.variables, checkpoints=method)
             out["predicted_plan_bytes"] = report.predicted_peak_bytes
             out["predicted_plain_bytes"] = report.predicted_plain_peak_bytes
             out["rewrite"] = report.rewrite
-            return (model.gradients(loss, METHODS[0][0]), model.gradients(loss, method))
+            return model.gradients(loss, method)
 
-        reference, grads = both(training)
-        out["max_rel_error"] = _max_rel_error(grads, reference)
-        del reference, grads
+        reference = reference_gradients(training)
+        out["max_rel_error"] = _max_rel_error(our_gradients(training), reference)
+        del reference
     else:
         out["max_rel_error"] = 0.0
 
@@ -243,12 +261,12 @@ def table(results: Sequence[Result]) -> str:
 
 TABLE_NOTES = (
     "One SGD step in tf.function of the same residual blocks (h = h + tanh(h @ W_i)), written "
-    "four ways. MiB: the CPU BFC allocator's peak of the step above what is in use before it, "
+    "five ways. MiB: the CPU BFC allocator's peak of the step above what is in use before it, "
     f"the range over {PEAK_RUNS} steps after a warm-up, one fresh process per cell. saving: "
     "tf.gradients' median over 'memory''s. predicted: the memory model's peak of the plan and "
     "of plain tf.gradients (explain()). runs: what 'memory' ran, its plan or tf.gradients (the "
     "never-worse rule). grad err: max over variables of max|g - g_tf| / max|g_tf| against "
-    "tf.gradients on the same forward pass (one dropout draw).")
+    "tf.gradients' (first steps, before any update; dropout seeded: the same draws).")
 
 
 if __name__ == "__main__":

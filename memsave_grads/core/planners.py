@@ -44,6 +44,7 @@ def _greedy_cuts(graph, uses, ends_at, allowed, cap_bytes: int) -> list[int]:
     """
     n = graph.num_nodes
     size = graph.size_bytes
+    segment_bytes = _segment_bytes(graph)
     cuts = []
     prev = -1
     while True:
@@ -51,7 +52,7 @@ def _greedy_cuts(graph, uses, ends_at, allowed, cap_bytes: int) -> list[int]:
         best = best_late = None
         p = prev + 1
         while p < n:
-            run += size[p] if uses[p] >= 0 else 0
+            run += segment_bytes[p] if uses[p] >= 0 else 0
             if uses[p] > p:
                 new += size[p]
             for v in ends_at[p]:
@@ -74,6 +75,12 @@ def _greedy_cuts(graph, uses, ends_at, allowed, cap_bytes: int) -> list[int]:
         chosen = -(best_late or best)[1]
         cuts.append(chosen)
         prev = chosen
+
+
+def _segment_bytes(graph: graph_lib.ForwardGraph) -> list[int]:
+    """Bytes each node adds to a recomputed segment: its output, and what a function op keeps
+    inside for its gradient (``ForwardGraph.internal_saved_bytes``)."""
+    return [s + graph.internal_saved(v) for v, s in enumerate(graph.size_bytes)]
 
 
 class CutSearch:
@@ -101,7 +108,7 @@ class CutSearch:
                 open_bad += 1
             open_bad -= sum(1 for v in self.ends_at[p] if v != p and v not in candidate_set)
             self.allowed.append(open_bad == 0 and self.uses[p] > p and p < n - 1)
-        counted = [s if self.uses[v] >= 0 else 0 for v, s in enumerate(graph.size_bytes)]
+        counted = [s if self.uses[v] >= 0 else 0 for v, s in enumerate(_segment_bytes(graph))]
         self.total_bytes = sum(counted)
         self.largest_bytes = max(counted, default=0)
         self.cumulative, running = [], 0
