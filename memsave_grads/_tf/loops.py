@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from typing import Iterable, Sequence
 
 import tensorflow as tf
@@ -64,14 +65,18 @@ def eligible(op: tf.Operation) -> bool:
     """A while_v2 loop whose body can be recomputed inside: not compiled by XLA (a compiled
     loop's backward body did not pay, design note "ordering under XLA"), not holding a custom
     gradient already (``recompute(step)``, Keras 3 recurrent layers under ``wrap_model``), no
-    gradient of it built yet, and no stateful op of its body reads a value computed in the
-    iteration (it would have to run again)."""
+    gradient of it built yet, not itself a gradient loop, and no stateful op of its body reads
+    a value computed in the iteration (it would have to run again)."""
     if op.type not in op_types.WHILE_OP_TYPES or tf_graph.uses_v1_control_flow(op):
         return False
     if getattr(op, _RECOMPUTED_ATTR, None) is not None:
         return True
-    # while_v2 renames the functions of a loop whose gradient it built "..._rewritten".
-    if op.get_attr("body").name.endswith("_rewritten") or ordering.xla_in_effect(op.graph):
+    # while_v2 renames the functions of a loop whose gradient it built "..._rewritten", and
+    # names a gradient loop's "<forward>_grad_<uid>": a gradient loop (a second derivative's
+    # region) is differentiated as it is.
+    body_name = op.get_attr("body").name
+    if (body_name.endswith("_rewritten") or re.search(r"_grad_\d+$", body_name)
+            or ordering.xla_in_effect(op.graph)):
         return False
     if tf_graph.loop_body_has_custom_gradient(op):
         return False

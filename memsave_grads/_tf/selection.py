@@ -117,7 +117,11 @@ class SelectionContext:
         excluded = {index[op] for op in self.endpoint_ops if op in index}
         candidates = [i for i in range(len(self.region)) if i not in excluded]
         must_keep = [index[op] for op in self.must_keep if op in index]
-        not_replayed = [i for i in must_keep if not tf_graph.is_replayable(self.region[i])]
+        # A loop recomputed inside is differentiated where it ran: a copy would not carry the
+        # recomputation's gradient, which refers to the loop's own body (design note "control
+        # flow and calls").
+        not_replayed = [i for i in must_keep if not tf_graph.is_replayable(self.region[i])
+                        or self.region[i] in self.recomputed_loops]
         return candidates, must_keep, not_replayed
 
     @property
