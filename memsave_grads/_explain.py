@@ -273,6 +273,9 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
     # The model's costs are FLOPs, whatever the planner's own cost measure; a node replayed at
     # depth d counts d times.
     peak, recompute_flops = memory_model.plan_peak_and_cost(model, plan)
+    # A loop recomputed inside runs its body once more (its own FLOPs, not in the plan's).
+    recompute_flops += sum(model.cost_of(v) for v, op in enumerate(ctx.region)
+                           if op in ctx.recomputed_loops)
     return PlanReport(
         checkpoints=checkpoints,
         forward_ops=len(ctx.region),

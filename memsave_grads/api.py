@@ -57,6 +57,25 @@ def gradients_applied_together():
         _GRADIENTS_HELD.reset(token)
 
 
+#: Whether ``"memory"`` and budgets recompute loops' bodies inside (design note "control flow
+#: and calls"); see :func:`loops_recomputed_inside`.
+_LOOPS_RECOMPUTED = contextvars.ContextVar("memsave_grads_loops_recomputed", default=True)
+
+
+@contextlib.contextmanager
+def loops_recomputed_inside(enabled: bool):
+    """Within ``loops_recomputed_inside(False)``, the ``gradients()`` calls leave while loops'
+    bodies as they are: a loop is kept or recomputed whole, and its gradient stores every
+    iteration. ``wrap_model(model, recompute_cells=False)`` promises Keras' recurrent loops as
+    Keras builds them; its step plans under this. Outside it (the default), ``"memory"`` and
+    budgets recompute a loop's body inside where that stores less."""
+    token = _LOOPS_RECOMPUTED.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _LOOPS_RECOMPUTED.reset(token)
+
+
 @contextlib.contextmanager
 def assume_batch_size(batch_size: int):
     """Plan the ``gradients()`` calls inside for batches of ``batch_size`` examples where the
@@ -146,11 +165,14 @@ def _warn_plain_once(checkpoints, prepared: "_Prepared", reason: str) -> None:
             "inside, this graph of %d forward ops has nothing to save (%s); tf.gradients "
             "differentiates it.", checkpoints, len(while_ops), len(prepared.region), reason)
         return
+    why_not = ("here loops are kept as they are built (wrap_model(..., "
+               "recompute_cells=False))" if not _LOOPS_RECOMPUTED.get() else
+               "'memory' and budgets recompute a loop's body inside where that stores less, "
+               "but not under XLA, nor where a stateful op of the body reads a value the "
+               "iteration computes")
     loop_hint = (
         f" {len(while_ops)} of those ops are loops whose gradients store what every iteration "
-        "needs; 'memory' and budgets recompute a loop's body inside where that stores less, "
-        "but not under XLA, nor where a stateful op of the body reads a value the iteration "
-        "computes: to save inside such a loop, recompute its step with "
+        f"needs; {why_not}: to save inside such a loop, recompute its step with "
         "memsave_grads.recompute(step_fn) (docs/recurrent.md)." if while_ops else "")
     logging.warning(
         "memsave_grads: checkpoints=%.80r saves no memory on this graph of %d forward ops (%s); "
@@ -290,8 +312,10 @@ def _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
 
 
 def _recomputes_loops(checkpoints) -> bool:
-    """``"memory"`` and budgets: the strategies that choose what to keep for memory."""
-    return checkpoints == "memory" or budgets.as_budget(checkpoints) is not None
+    """``"memory"`` and budgets, the strategies that choose what to keep for memory, unless
+    :func:`loops_recomputed_inside` turned it off."""
+    return _LOOPS_RECOMPUTED.get() and (checkpoints == "memory"
+                                        or budgets.as_budget(checkpoints) is not None)
 
 
 def gradients_or_fallback(ys, xs, grad_ys, checkpoints, fallback: str, caller: str,

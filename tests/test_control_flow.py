@@ -339,3 +339,41 @@ def test_a_loop_whose_state_reads_its_values_is_left_as_it_is():
     assert not found["eligible"] and not found["rewritten"]
     expected = tf.function(lambda: original_gradients(loss(), [w]), autograph=False)()
     assert_grads_close(got, expected)
+
+
+def test_a_v1_graph_with_a_learning_phase(graph, session):
+    """A TF1 graph: nested tf.functions and dropout conds on a learning-phase placeholder, then
+    tf_keras' Dense, BatchNormalization and Dropout under it (conds that read and assign the
+    moving statistics, draw masks). The blocks between the checkpoints are replayed from their
+    state; the gradients equal tf.gradients' in the same run (one draw), in both phases."""
+    import tf_keras  # pylint: disable=import-outside-toplevel
+
+    x = tf.compat.v1.placeholder(tf.float32, [8, 16])
+    training = tf.compat.v1.placeholder_with_default(True, [])
+    weights = [tf.compat.v1.get_variable(f"w{i}", [16, 16], use_resource=True)
+               for i in range(6)]
+    block = tf.function(lambda h, w: h + tf.tanh(tf.matmul(h, w)), autograph=False)
+    h, outputs = x, []
+    for i, w in enumerate(weights):
+        outputs.append(h)
+        if i % 2:
+            h = h + tf.cond(training,
+                            lambda h=h, w=w: tf.nn.dropout(tf.tanh(tf.matmul(h, w)), 0.3),
+                            lambda h=h, w=w: tf.tanh(tf.matmul(h, w)))
+        else:
+            h = block(h, w)
+    dense = tf_keras.layers.Dense(16)
+    norm = tf_keras.layers.BatchNormalization()
+    h = tf_keras.layers.Dropout(0.4)(norm(dense(h), training=training), training=training)
+    loss = tf.reduce_sum(h * h)
+    xs = weights + dense.trainable_weights + norm.trainable_weights
+    ours = mg.gradients(loss, xs, checkpoints=[outputs[2], outputs[4]])
+    expected = tf.gradients(loss, xs)
+    exposed, _ = _rewritten_ops(graph)
+    assert len(exposed) == 4, exposed  # the two calls and the two conds between the checkpoints
+    session.run(tf.compat.v1.global_variables_initializer())
+    feed = {x: np.random.RandomState(0).randn(8, 16).astype(np.float32)}
+    for phase in (True, False):
+        feed[training] = phase
+        got, want = session.run([ours, expected], feed)
+        assert_grads_close(got, want)

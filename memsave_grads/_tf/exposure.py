@@ -34,7 +34,6 @@ from absl import logging
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import record
 from tensorflow.python.framework import func_graph as func_graph_module
-from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import gen_optional_ops
 from tensorflow.python.ops import handle_data_util
@@ -271,7 +270,7 @@ class Replay:
 
 
 def replay_copy(op: tf.Operation, inputs: Sequence, control_inputs: Sequence,
-                graph: tf.Graph, unused_scope: str = "") -> Replay | None:
+                graph: tf.Graph) -> Replay | None:
     """The copy of ``op`` that a level recomputes, where ``op`` is a stateful cond or call
     that ``function_ops.exposure_plan`` can replay; None for any other op (copied as it is).
     ``inputs``: what the copy reads for each input of ``op``."""

@@ -35,6 +35,7 @@ from tensorflow.python.framework import function_def_to_graph
 from tensorflow.python.ops import control_flow_util_v2
 
 from memsave_grads._tf import graph as tf_graph
+from memsave_grads._tf import ordering
 from memsave_grads.core import op_types
 
 #: The attribute of a forward op that ``_tf.exposure.expose`` rewrote to output its state
@@ -509,7 +510,6 @@ def exposure_plan(op: tf.Operation) -> list[BodyExposure] | None:
         return list(done.bodies)
     if tf_graph.is_replayable(op) or tf_graph.uses_v1_control_flow(op):
         return None
-    from memsave_grads._tf import ordering  # pylint: disable=import-outside-toplevel
     if ordering.xla_in_effect(op.graph) or _compiled_alone(op) or _gradient_built(op):
         return None
     graphs = body_graphs(op)

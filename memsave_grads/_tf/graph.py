@@ -428,11 +428,6 @@ def _function_nodes(graph, name: str) -> list:
     return []
 
 
-def _called_op_types(call: tf.Operation) -> list[str]:
-    """Op types inside the function a call op runs, nested calls included."""
-    return _op_types_in_functions(call.graph, [call.get_attr("f").name])
-
-
 def _op_types_in_functions(graph, names: Sequence[str]) -> list[str]:
     """Op types inside the graph functions ``names`` (as ``graph`` sees them), and inside the
     functions their ops run: calls, and the branches and bodies of conds and loops (a second
@@ -459,13 +454,22 @@ def loop_body_has_custom_gradient(loop: tf.Operation) -> bool:
                for node in nodes if "_gradient_op_type" in node.attr)
 
 
+#: Ops that run function graphs named in their attributes: calls, conds, switch cases, loops.
+_FUNCTION_RUNNING_OP_TYPES = (op_types.FUNCTION_CALL_OP_TYPES | op_types.COND_OP_TYPES
+                              | op_types.CASE_OP_TYPES | op_types.WHILE_OP_TYPES)
+
+
 def op_types_run(op: tf.Operation) -> list[str]:
-    """The types of the ops that running ``op`` runs: its own and, for a function call, those
-    of the function (nested calls included; none where the function cannot be read)."""
-    if op.type not in op_types.FUNCTION_CALL_OP_TYPES:
+    """The types of the ops that running ``op`` runs: its own and, for a function call, a
+    cond's branches or a loop's body, those of its functions (nested ones included; none where
+    a function cannot be read)."""
+    if op.type not in _FUNCTION_RUNNING_OP_TYPES:
         return [op.type]
     try:
-        return [op.type, *_called_op_types(op)]
+        names = [value.func.name for value in op.node_def.attr.values()
+                 if value.HasField("func")]
+        names += [f.name for value in op.node_def.attr.values() for f in value.list.func]
+        return [op.type, *_op_types_in_functions(op.graph, names)]
     except (AttributeError, ValueError):
         return [op.type]
 

@@ -53,7 +53,7 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
     ``ordering.gradient_arrival``; each copy that reads no other copy reads one of its inputs
     through ``ordering.after`` (design note "ordering under XLA").
 
-    ``replay(op, inputs, control_inputs, graph, scope)``: where it returns a replay (a stateful
+    ``replay(op, inputs, control_inputs, graph)``: where it returns a replay (a stateful
     cond or call that ``_tf.exposure.replay_copy`` recomputes from its exposed state), that is
     the op's copy: its ``stand_in`` takes the op's place, and every op it made belongs to the
     copied region (design note "control flow and calls").
@@ -75,7 +75,7 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
                      if c in copies or c.graph is graph]
             if not any(t.op in copies for t in op.inputs):
                 extra.extend(control_inputs)
-            replayed = replay(op, inputs, extra, graph, scope) if replay is not None else None
+            replayed = replay(op, inputs, extra, graph) if replay is not None else None
             if replayed is not None:
                 copies.update((made, made) for made in replayed.made)
                 copies[op] = replayed.stand_in

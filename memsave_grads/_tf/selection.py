@@ -203,6 +203,11 @@ def select_memory(ctx: SelectionContext) -> plan_lib.Plan:
     connections of any DAG."""
     candidates, must_keep, not_replayed = ctx.node_sets()
     plan = solvers.memory_plan(ctx.model, must_keep, candidates, not_replayed)
+    if plan is None and ctx.recomputed_loops:
+        # Nothing to cut, but the loops recompute inside (design note "control flow and
+        # calls"): the plan keeps what is kept anyway.
+        return keep_ops(ctx, (), "memory").replace(
+            reason="no position to cut; the loops' bodies are recomputed inside")
     if plan is None:
         raise _no_checkpoints(
             "memory", f"no cut of the {len(ctx.region)} forward ops between xs and ys "
@@ -230,7 +235,7 @@ def select_budget(ctx: SelectionContext, budget: budgets.Budget) -> plan_lib.Pla
     problem = problem_lib.BudgetProblem(
         graph=model, budget_bytes=budget.resolve_bytes(plain_bytes),
         must_keep=frozenset(must_keep), candidates=frozenset(candidates),
-        not_replayed=frozenset(not_replayed))
+        not_replayed=frozenset(not_replayed), plain_peak_bytes=plain_bytes)
     return solvers.solve(problem, budget.solver)
 
 

@@ -1,8 +1,8 @@
 """The control-flow benchmark: the same residual blocks, written five ways (plain, a ``tf.cond``
 per block, the same with dropout in the training branch, a nested ``tf.function`` per block,
-one ``tf.while_loop`` over stacked weights), trained one SGD step in a ``tf.function`` with ``tf.gradients`` and with
-memsave_grads ``"memory"`` (``memsave-grads benchmark --control-flow only``; docs/benchmarks.md,
-"Control flow and calls").
+one ``tf.while_loop`` over stacked weights), trained one SGD step in a ``tf.function`` with
+``tf.gradients`` and with memsave_grads ``"memory"`` (``memsave-grads benchmark --control-flow
+only``; docs/benchmarks.md, "Control flow and calls").
 
 Every (forward pass, method) is measured in a fresh process (:func:`measure`, which runs this
 module as a script): the executor's order and the allocator's history move a step's peak, and
