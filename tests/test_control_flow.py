@@ -74,7 +74,7 @@ def test_each_forward_pass_saves_and_none_is_worse(forward):
     assert plain / ours >= LEAST_SAVING[forward], (
         f"{forward}: tf.gradients {plain:.1f} MiB, 'memory' {ours:.1f} MiB: "
         f"{plain / ours:.2f}x < {LEAST_SAVING[forward]}x")
-    assert bool(exposed) == forward in ("cond", "cond_dropout", "function"), exposed
+    assert bool(exposed) == (forward in ("cond", "cond_dropout", "function")), exposed
     assert bool(recomputed) == (forward == "while"), recomputed
     if recomputed:
         (loop,) = recomputed
