@@ -3,7 +3,8 @@
 Importing this package changes nothing in TensorFlow, and imports nothing of it either: each
 public name is loaded from its module on first use (PEP 562), so ``import memsave_grads`` and
 the TensorFlow-free core (``memsave_grads.core``) stay fast. Call :func:`patch` to route
-``tf.gradients`` (and what uses it) through :func:`gradients`.
+``tf.gradients`` (and what uses it) and ``tf.GradientTape`` inside graphs through
+:func:`gradients`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ _EXPORTS = {
     "wrap_model": "memsave_grads.keras",
     "unwrap_model": "memsave_grads.keras",
     "is_wrapped": "memsave_grads.keras",
+    "GradientTape": "memsave_grads.tape",
+    "route_tapes": "memsave_grads.tape",
     "without_grappler_scheduling": "memsave_grads._tf.grappler_options",
     "patch": "memsave_grads.patching",
     "unpatch": "memsave_grads.patching",
@@ -87,3 +90,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerl
     from memsave_grads.optimize import minimize
     from memsave_grads.patching import is_patched, original_gradients, patch, unpatch
     from memsave_grads.recomputation import recompute
+    from memsave_grads.tape import GradientTape, route_tapes

@@ -17,11 +17,12 @@ from memsave_grads._tf import selection
 from memsave_grads import _validate
 from memsave_grads import api
 from memsave_grads import errors
+from memsave_grads.core import budgets
 from memsave_grads.core import memory_model
 from memsave_grads.core import schedule as schedule_lib
-
-_MIB = 1024 * 1024
-
+from memsave_grads.keras import checks as keras_checks
+from memsave_grads.keras import flavour as keras_flavour
+from memsave_grads.keras import tracing as keras_tracing
 
 @dataclasses.dataclass(frozen=True)
 class LevelReport:
@@ -105,6 +106,19 @@ class PlanReport:
         """Recomputed FLOPs over the forward pass's (0.3: 30% of a forward pass again)."""
         return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
 
+    def as_dict(self) -> dict:
+        """The report as plain data (numbers in bytes and FLOPs, names as strings), for JSON:
+        every attribute, ``checkpoints`` as its ``repr`` where it is not a string, and the
+        derived ``recompute_fraction``."""
+        # Not dataclasses.asdict, which deep-copies: checkpoints may hold graph tensors.
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if not isinstance(self.checkpoints, str):
+            data["checkpoints"] = repr(self.checkpoints)
+        data["checkpoint_names"] = list(self.checkpoint_names)
+        data["levels"] = [dataclasses.asdict(level) for level in self.levels]
+        data["recompute_fraction"] = self.recompute_fraction
+        return data
+
     @property
     def predicted_saving(self) -> float:
         """Predicted tf.gradients peak over this plan's (2.0: half the memory)."""
@@ -120,18 +134,18 @@ class PlanReport:
             + (f" ({_names(self.checkpoint_names)})" if self.checkpoint_names else ""),
             f"  kept as well: {self.kept_anyway} ops (stateful ops, variable reads, xs, and "
             "ops two segments would share)",
-            f"  kept activations: {_mib(self.kept_bytes)}",
+            f"  kept activations: {_size(self.kept_bytes)}",
             f"  top segment (not recomputed): {self.top_segment_ops} ops",
             f"  recomputed: {_count(recomputed, 'op')} in "
             f"{_count(len(self.levels), 'backward level')}"
             + (f"; largest level {_count(largest.recomputed_ops, 'op')}, "
-               f"{_mib(largest.recomputed_bytes)} of outputs (not all alive at once)"
+               f"{_size(largest.recomputed_bytes)} of outputs (not all alive at once)"
                if largest else ""),
             f"  recomputed FLOPs: {self.recompute_flops:.3g} ({self.recompute_fraction:.0%} of the "
             "forward pass)",
-            f"  predicted peak: {_mib(self.predicted_peak_bytes)} vs tf.gradients "
-            f"{_mib(self.predicted_plain_peak_bytes)} ({_saving(self.predicted_saving)})"
-            + (f"; budget {_mib(self.budget_bytes)}" if self.budget_bytes is not None else ""),
+            f"  predicted peak: {_size(self.predicted_peak_bytes)} vs tf.gradients "
+            f"{_size(self.predicted_plain_peak_bytes)} ({_saving(self.predicted_saving)})"
+            + (f"; budget {_size(self.budget_bytes)}" if self.budget_bytes is not None else ""),
         ]
         if self.plan_reason:
             lines.insert(1, f"  planner: {self.planner} ({self.plan_reason})")
@@ -153,9 +167,9 @@ class PlanReport:
                 f"of their own, up to {max(lv.depth for lv in nested)} recomputation levels deep")
         if self.scratch_bytes and self.decided_plan_peak_bytes is not None:
             lines.append(
-                f"  with the gradient kernels' scratch (up to {_mib(self.scratch_bytes)} at one "
-                f"backward step): {_mib(self.decided_plan_peak_bytes)} vs tf.gradients "
-                f"{_mib(self.decided_plain_peak_bytes)}")
+                f"  with the gradient kernels' scratch (up to {_size(self.scratch_bytes)} at one "
+                f"backward step): {_size(self.decided_plan_peak_bytes)} vs tf.gradients "
+                f"{_size(self.decided_plain_peak_bytes)}")
         if self.schedule_reason:
             lines.append(("  schedule: this plan: " if self.rewrite else
                           "  schedule: plain tf.gradients, not this plan: ")
@@ -177,8 +191,8 @@ def _depth(model, sched, kept_nodes) -> int:
     return 1 + max((_depth(model, nested, lv.nodes) for lv in nested.levels), default=0)
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / _MIB:.1f} MiB" if nbytes >= _MIB / 10 else f"{nbytes / 1024:.1f} KiB"
+def _size(nbytes: int) -> str:
+    return budgets.format_bytes(nbytes, "report")
 
 
 def _count(n: int, noun: str) -> str:
@@ -196,14 +210,6 @@ def _saving(ratio: float) -> str:
 def _names(names, limit: int = 6) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _is_keras_model(value) -> bool:
-    """A Keras 2 or 3 model, told by its class's modules (imports no Keras)."""
-    from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
-    modules = keras_lib._class_modules(value)  # pylint: disable=protected-access
-    return any(m.split(".")[0] in ("keras", "tf_keras") for m in modules) and hasattr(
-        value, "trainable_weights")
 
 
 @tf.autograph.experimental.do_not_convert
@@ -228,21 +234,17 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
         print(memsave_grads.explain(loss, model.trainable_variables, checkpoints="memory"))
         print(memsave_grads.explain(keras_model, checkpoints="memory", batch_size=64))
     """
-    if _is_keras_model(ys):
+    if keras_flavour.is_keras_model(ys):
         if xs is not None or tf_gradients_kwargs:
             raise errors.InvalidArgumentError(
                 "xs: explain(model) explains the gradients of the model's loss with respect to "
                 f"its trainable weights; got xs={xs!r:.60} and options "
                 f"{sorted(tf_gradients_kwargs)}. Leave them out (or pass the loss tensor and "
                 "the variables instead of the model).")
-        from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
         _validate.check_batch_size(batch_size)
-        if not isinstance(release_gradients_early, bool):
-            raise errors.InvalidTypeError(
-                f"release_gradients_early: expected True or False, got "
-                f"{type(release_gradients_early).__name__}: {release_gradients_early!r:.60}.")
-        keras_lib.check_trainable(ys, keras_lib.keras_version(ys), "explain")
-        return keras_lib.trace_training_step(
+        _validate.check_bool(release_gradients_early, "release_gradients_early")
+        keras_checks.check_trainable(ys, keras_flavour.flavour_of(ys), "explain")
+        return keras_tracing.trace_training_step(
             ys, lambda loss, weights: explain(loss, weights, checkpoints),
             batch_size=batch_size, sequence_length=sequence_length, data=data,
             release_gradients_early=release_gradients_early)
@@ -255,12 +257,11 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
         raise errors.InvalidArgumentError(
             "xs: expected the tensors or variables to differentiate with respect to (or a "
             f"Keras model as the first argument), got None with ys={ys!r:.80}.")
-    prepared = api._prepare(ys, xs, None, checkpoints,  # pylint: disable=protected-access
-                            tf_gradients_kwargs)
+    prepared = api.prepare(ys, xs, None, checkpoints, tf_gradients_kwargs)
     ctx = prepared.selection
     model = ctx.model
     plan = prepared.plan
-    decision = selection.decide_schedule(ctx, checkpoints, plan)
+    decision = selection.decide_schedule(ctx, prepared.checkpoints, plan)
     sched = schedule_lib.of_plan(model, plan)
     top = set(sched.top)
     levels = [LevelReport(level.number, len(level.nodes), len(nodes),
@@ -309,6 +310,5 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
 @tf.autograph.experimental.do_not_convert
 def predicted_plain_peak_bytes(ys, xs, **tf_gradients_kwargs) -> int:
     """The static memory model's peak for plain ``tf.gradients(ys, xs)`` (adds no op)."""
-    prepared = api._prepare(ys, xs, None, [],  # pylint: disable=protected-access
-                            tf_gradients_kwargs, select=False)
+    prepared = api.prepare(ys, xs, None, [], tf_gradients_kwargs, select=False)
     return memory_model.plain_peak_bytes(prepared.selection.model)

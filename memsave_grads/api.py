@@ -21,6 +21,7 @@ from memsave_grads._tf import selection
 from memsave_grads._tf import stitch
 from memsave_grads.core import budgets
 from memsave_grads.core import op_types
+from memsave_grads.core.checkpoints import ParsedCheckpoints
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import schedule as schedule_lib
 
@@ -131,14 +132,14 @@ def gradients(ys: Targets, xs: Sources, grad_ys: Targets | None = None,
       MemsaveGradsError subclasses (also ValueError/TypeError/RuntimeError) on bad input, and
       ``NoCheckpointsFoundError`` when the strategy finds nothing to keep.
     """
-    prepared = _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
-    decision = selection.decide_schedule(prepared.selection, checkpoints, prepared.plan)
+    prepared = prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
+    decision = selection.decide_schedule(prepared.selection, prepared.checkpoints, prepared.plan)
     # The calls the backward pass makes itself (a recomputed loop step's gradients) hold no
     # weight gradients for an optimizer, whatever this call's caller said.
     token = _GRADIENTS_HELD.set(False)
     try:
         if not decision.rewrite:  # design note "never worse"
-            _warn_plain_once(checkpoints, prepared, decision.reason)
+            _warn_plain_once(prepared.checkpoints.given, prepared, decision.reason)
             return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
         return run_plan(prepared, prepared.plan)
     finally:
@@ -150,7 +151,7 @@ def gradients(ys: Targets, xs: Sources, grad_ys: Targets | None = None,
 _WARNED_PLAIN: set = set()
 
 
-def _warn_plain_once(checkpoints, prepared: "_Prepared", reason: str) -> None:
+def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str) -> None:
     """Tell the user, once per kind of call, that the strategy saves nothing here."""
     key = (repr(checkpoints)[:200], len(prepared.region))
     if key in _WARNED_PLAIN:
@@ -181,47 +182,52 @@ def _warn_plain_once(checkpoints, prepared: "_Prepared", reason: str) -> None:
         loop_hint)
 
 
-def run_plan(prepared: "_Prepared", plan: plan_lib.Plan) -> list:
+def run_plan(prepared: "Prepared", plan: plan_lib.Plan) -> list:
     """Run ``plan`` (node numbers of ``prepared.selection.model``) through the rewrite: the
     gradients, one per given x. ``gradients()`` runs the selected plan; tests force others."""
     model = prepared.selection.model
     loops.recompute_bodies(prepared.selection.recomputed_loops)
+    arguments = prepared.arguments
     options = stitch.CallOptions(
-        user_stops=prepared.user_stops, tf_kwargs=prepared.tf_kwargs,
-        unconnected_zero=prepared.unconnected == tf.UnconnectedGradients.ZERO,
-        scope_prefix=f"{prepared.scope}_memsave",
-        xla=ordering.xla_in_effect(prepared.graph))
-    with prepared.graph.as_default():
-        grads = stitch.backprop(prepared.ys, prepared.xs, prepared.grad_ys, model,
+        user_stops=arguments.user_stops, tf_kwargs=arguments.tf_kwargs,
+        unconnected_zero=arguments.unconnected == tf.UnconnectedGradients.ZERO,
+        scope_prefix=f"{arguments.scope}_memsave",
+        xla=ordering.xla_in_effect(arguments.graph))
+    with arguments.graph.as_default():
+        grads = stitch.backprop(arguments.ys, prepared.xs, arguments.grad_ys, model,
                                 dict(enumerate(prepared.region)),
                                 schedule_lib.of_plan(model, plan), options)
         return prepared.per_given_x(grads)
 
 
 @dataclasses.dataclass
-class _Prepared:
+class Prepared:
     """Validated arguments and the chosen plan: everything up to (not including) the rewrite."""
 
-    graph: tf.Graph
-    ys: list
-    #: The xs as given (variables as the tensors tf.gradients differentiates) and, per given
-    #: x, the tensor the rewrite differentiates for it in ys' graph (None where that gradient
-    #: comes only from beyond the captures, or where ys' graph never reads it).
-    given_xs: list
-    x_slots: list
+    #: The checked arguments, as ys' graph reads them (design note "captured xs"): ``ys`` and
+    #: ``grad_ys`` only those ys' graph reads (the others are ``outer_targets``); per given
+    #: x, ``x_slots`` holds the tensor the rewrite differentiates for it in ys' graph (None
+    #: where that gradient comes only from beyond the captures, or where ys' graph never
+    #: reads it).
+    arguments: _validate.Arguments
     #: Captured placeholders through which ys depend on xs of enclosing graphs: differentiated
     #: here, then carried out with tf.gradients (design note "captured xs").
     crossing: list
     #: ``(y, grad_y)`` for ys of enclosing graphs that ys' graph never captured.
     outer_targets: list
-    grad_ys: list
-    user_stops: list
-    tf_kwargs: dict
-    unconnected: tf.UnconnectedGradients
-    scope: str
+    #: ``checkpoints=`` as ``_validate.check_checkpoints`` parsed it (None: not selecting).
+    checkpoints: ParsedCheckpoints | None
     selection: selection.SelectionContext
     #: What to keep, in node numbers of ``selection.model`` (design note "plan and schedule").
     plan: plan_lib.Plan
+
+    @property
+    def graph(self) -> tf.Graph:
+        return self.arguments.graph
+
+    @property
+    def scope(self) -> str:
+        return self.arguments.scope
 
     @property
     def region(self) -> list:
@@ -230,7 +236,7 @@ class _Prepared:
     @property
     def xs(self) -> list:
         """The xs that ys' graph reads: what the rewrite differentiates with respect to."""
-        return [x for x in self.x_slots if x is not None] + self.crossing
+        return [x for x in self.arguments.x_slots if x is not None] + self.crossing
 
     def per_given_x(self, grads: list) -> list:
         """``grads`` (one per :attr:`xs`) as tf.gradients returns them, one per given x.
@@ -239,39 +245,39 @@ class _Prepared:
         tf.gradients call and added; an x with no gradient gets None, or zeros for
         ``unconnected_gradients='zero'``.
         """
+        arguments = self.arguments
         own = len(grads) - len(self.crossing)
         slot_grads = iter(grads[:own])
-        out = [next(slot_grads) if slot is not None else None for slot in self.x_slots]
+        out = [next(slot_grads) if slot is not None else None for slot in arguments.x_slots]
         carried = [(tf_graph.captured_value(p), tf.convert_to_tensor(g))
                    for p, g in zip(self.crossing, grads[own:]) if g is not None]
         carried += self.outer_targets
-        outer = [i for i, x in enumerate(self.given_xs)
-                 if not tf_graph.is_eager_tensor(x) and x.graph is not self.graph]
+        given_xs = arguments.given_xs
+        outer = [i for i, x in enumerate(given_xs)
+                 if not tf_graph.is_eager_tensor(x) and x.graph is not arguments.graph]
         if carried and outer:
             further = tf_graph.ORIGINAL_GRADIENTS(
-                [y for y, _ in carried], [self.given_xs[i] for i in outer],
+                [y for y, _ in carried], [given_xs[i] for i in outer],
                 grad_ys=[g for _, g in carried],
-                stop_gradients=self.user_stops or None, **self.tf_kwargs)
+                stop_gradients=arguments.user_stops or None, **arguments.tf_kwargs)
             for i, g in zip(outer, further):
-                out[i] = stitch.aggregate([out[i], g], self.given_xs[i])
-        if self.unconnected == tf.UnconnectedGradients.ZERO:
-            out = [stitch.zeros_like(x) if g is None else g for x, g in zip(self.given_xs, out)]
+                out[i] = stitch.aggregate([out[i], g], given_xs[i])
+        if arguments.unconnected == tf.UnconnectedGradients.ZERO:
+            out = [stitch.zeros_like(x) if g is None else g for x, g in zip(given_xs, out)]
         return out
 
 
-def _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
-             select: bool = True) -> _Prepared:
+def prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
+            select: bool = True) -> Prepared:
     """Validate the arguments and choose what to keep (unless not ``select``); adds nothing to
-    the graph."""
+    the graph. What ``gradients()`` does before the rewrite (``explain`` stops there)."""
     arguments = _validate.check_arguments(ys, xs, grad_ys, tf_gradients_kwargs)
     # The other arguments are checked first and checkpoints before selection, whose own errors
     # (NoCheckpointsFoundError) would otherwise blame checkpoints for a bad grad_ys.
-    if select:
-        _validate.check_checkpoints(checkpoints)
+    parsed = _validate.check_checkpoints(checkpoints) if select else None
     graph, ys, given_xs, x_slots = (arguments.graph, arguments.ys, arguments.given_xs,
                                     arguments.x_slots)
-    grad_ys, user_stops, kwargs = arguments.grad_ys, arguments.user_stops, arguments.tf_kwargs
-    unconnected, scope = arguments.unconnected, arguments.scope
+    user_stops, grad_ys = arguments.user_stops, arguments.grad_ys
     # A y of an enclosing graph is differentiated through its capture where ys' graph
     # captured it, and otherwise entirely beyond the captures (design note "captured xs").
     y_slots = [y if y.graph is graph else tf_graph.as_seen_from(y, graph) for y in ys]
@@ -291,7 +297,7 @@ def _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
         region = tf_graph.forward_region(ys, xs, stop_ops={t.op for t in user_stops})
         # The strategies that choose for memory also recompute loops' bodies inside, where
         # that stores less (design note "control flow and calls").
-        recomputed_loops = (loops.chosen(region) if select and _recomputes_loops(checkpoints)
+        recomputed_loops = (loops.chosen(region) if select and _recomputes_loops(parsed)
                             else {})
         must_keep = selection.forced_keep(region, xs, recomputed_loops)
         ctx = selection.SelectionContext(graph=graph, region=region, xs=xs, ys=ys,
@@ -300,22 +306,20 @@ def _prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
                                          recomputed_loops=recomputed_loops)
         # No forward op between xs and ys (ys do not depend on xs): nothing to choose; the
         # gradients are None (or zeros), as tf.gradients gives.
-        plan = (selection.make_plan(ctx, checkpoints) if select and region
+        plan = (selection.make_plan(ctx, parsed) if select and region
                 else selection.keep_ops(ctx, (), "none"))
     logging.vlog(1, "memsave_grads: %d forward ops, %d checkpoints chosen, %d kept in all",
                  len(region), len(plan.chosen or ()), len(plan.kept))
-    return _Prepared(graph=graph, ys=ys, given_xs=given_xs, x_slots=x_slots,
-                     crossing=crossing, outer_targets=outer_targets, grad_ys=grad_ys,
-                     user_stops=user_stops,
-                     tf_kwargs=kwargs, unconnected=unconnected, scope=scope, selection=ctx,
-                     plan=plan)
+    arguments = dataclasses.replace(arguments, ys=ys, grad_ys=grad_ys, x_slots=x_slots)
+    return Prepared(arguments=arguments, crossing=crossing, outer_targets=outer_targets,
+                    checkpoints=parsed, selection=ctx, plan=plan)
 
 
-def _recomputes_loops(checkpoints) -> bool:
+def _recomputes_loops(checkpoints: _validate.ParsedCheckpoints) -> bool:
     """``"memory"`` and budgets, the strategies that choose what to keep for memory, unless
     :func:`loops_recomputed_inside` turned it off."""
-    return _LOOPS_RECOMPUTED.get() and (checkpoints == "memory"
-                                        or budgets.as_budget(checkpoints) is not None)
+    return _LOOPS_RECOMPUTED.get() and (checkpoints.strategy == "memory"
+                                        or checkpoints.budget is not None)
 
 
 def gradients_or_fallback(ys, xs, grad_ys, checkpoints, fallback: str, caller: str,
@@ -346,17 +350,17 @@ def gradients_or_fallback(ys, xs, grad_ys, checkpoints, fallback: str, caller: s
 SMALLEST_PEAK_ATTEMPTS = 3
 
 
-def _mib(nbytes: int | None) -> str:
-    return f"{nbytes / 2**20:.3g} MiB" if nbytes is not None else "unknown"
-
-
 def _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, infeasible, caller: str,
                                 tf_gradients_kwargs: dict):
     """Under ``fallback="warn"``, a budget below every plan's predicted peak gets the plan with
     the smallest predicted peak (or plain tf.gradients where no plan beats it), and one warning
     with the numbers; a training loop goes on with the least memory we can offer."""
-    asked = budgets.as_budget(checkpoints)
+    parsed = _validate.check_checkpoints(checkpoints)  # a budget, as gradients() parsed it
+    asked, checkpoints = parsed.budget, parsed.given
     plain_bytes = infeasible.plain_peak_bytes
+
+    def mib(nbytes):  # the numbers one message compares, in one unit
+        return budgets.format_bytes(nbytes, "MiB")
 
     def share(nbytes):
         return f"{nbytes / plain_bytes:.1%}" if plain_bytes and nbytes is not None else "n/a"
@@ -366,8 +370,8 @@ def _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, infeasible, caller
             "%s: checkpoints=%r: the budget of %s (%s of plain tf.gradients' predicted peak, "
             "%s) is below the smallest feasible predicted peak, %s (%s of plain); %s Raise the "
             "budget to at least that, or pass fallback='error' to raise.", caller, checkpoints,
-            _mib(infeasible.budget_bytes), share(infeasible.budget_bytes), _mib(plain_bytes),
-            _mib(error.min_feasible_bytes), share(error.min_feasible_bytes), outcome)
+            mib(infeasible.budget_bytes), share(infeasible.budget_bytes), mib(plain_bytes),
+            mib(error.min_feasible_bytes), share(error.min_feasible_bytes), outcome)
 
     error = infeasible
     for _ in range(SMALLEST_PEAK_ATTEMPTS):

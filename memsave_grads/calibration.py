@@ -15,13 +15,14 @@ import numbers
 import tensorflow as tf
 from absl import logging
 
-from memsave_grads import _explain
 from memsave_grads import _validate
 from memsave_grads import errors
 from memsave_grads import measure as measure_lib
 from memsave_grads._tf import grappler_options
 from memsave_grads.core import budgets
 from memsave_grads.core import calibration as core_calibration
+from memsave_grads.keras import calibration as keras_calibration
+from memsave_grads.keras import flavour as keras_flavour
 
 
 def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size: int = 32,
@@ -87,17 +88,12 @@ def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size:
     asked = _asked_budget(budget)
     _check_count("runs", runs)
     _check_count("max_measurements", max_measurements)
-    if _explain._is_keras_model(model_or_step):  # pylint: disable=protected-access
+    if keras_flavour.is_keras_model(model_or_step):
         _validate.check_batch_size(batch_size)
-        if not isinstance(static_batch, bool):
-            raise errors.InvalidTypeError(
-                f"static_batch: expected True or False, got {type(static_batch).__name__}: "
-                f"{static_batch!r:.60}.")
-        from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
-        return keras_lib.calibrate_model(model_or_step, asked, batch_size=batch_size,
-                                         sequence_length=sequence_length, data=data,
-                                         static_batch=static_batch, runs=runs,
-                                         max_measurements=max_measurements)
+        _validate.check_bool(static_batch, "static_batch")
+        return keras_calibration.calibrate_model(
+            model_or_step, asked, batch_size=batch_size, sequence_length=sequence_length,
+            data=data, static_batch=static_batch, runs=runs, max_measurements=max_measurements)
     if not callable(model_or_step):
         raise errors.InvalidTypeError(
             f"model_or_step: expected a compiled Keras model or a function "

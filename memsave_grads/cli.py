@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import importlib.util
 import os
 import re
@@ -133,7 +134,7 @@ def _checkpoints_list(text: str) -> list[str]:
 
 def _model_source(text: str) -> str:
     """A model the fit-limit and explain commands can load (checked without loading it)."""
-    from memsave_grads.bench import fit_limit  # pylint: disable=import-outside-toplevel
+    from memsave_grads import fit_limit  # pylint: disable=import-outside-toplevel
     try:
         fit_limit.describe_source(text)
     except ValueError as e:
@@ -196,6 +197,12 @@ def _add_output(parser: argparse.ArgumentParser) -> None:
                         help="also write the tables to this markdown file")
 
 
+def _add_format(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=("markdown", "json"), default="markdown",
+                        help="markdown tables for people, or one JSON object with the raw "
+                             "numbers (bytes, seconds) for programs (default: %(default)s)")
+
+
 def _add_plot(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--plot", type=_plot_path, metavar="FILE",
                         help=f"write {what} to this PNG file (needs matplotlib)")
@@ -203,10 +210,10 @@ def _add_plot(parser: argparse.ArgumentParser, what: str) -> None:
 
 #: (name, one-line help, description) of each subcommand, in the order --help lists them.
 _COMMANDS = (
-    ("demo", "one SGD step of a deep residual MLP, three ways, as a table",
+    ("demo", "one SGD step of a deep residual MLP, tf.gradients vs memsave_grads, as a table",
      "One SGD step of a deep residual MLP (h = h + tanh(h @ W_i)) in a tf.compat.v1 Session, "
-     "three ways: tf.gradients, memsave_grads 'memory' and 'speed'. Prints a markdown table of "
-     "peak memory, median step time and gradient error."),
+     "with tf.gradients and with memsave_grads 'memory' (the default strategy), timed in "
+     "turns. Prints a markdown table of peak memory, median step time and gradient error."),
     ("benchmark", "the same measurements over model-scale networks",
      "The demo's measurements over model-scale networks: Keras 2 (tf_keras) ResNet50, "
      "DenseNet121, MobileNetV2, a U-Net and a Transformer encoder stack, a deep residual MLP, "
@@ -259,6 +266,7 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
         _add_repeats(parser)
         _add_models(parser)
         _add_output(parser)
+        _add_format(parser)
         parser.add_argument("--xla", choices=("with", "without", "only"), default="with",
                             help="the table under XLA (tf.function with and without "
                                  "jit_compile, against tf.recompute_grad): with the graph "
@@ -288,6 +296,7 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
                             help="the strategy to explain: "
                                  f"{', '.join(STRATEGY_NAMES)} or a budget such as "
                                  "'budget:50%%' (default: %(default)s)")
+        _add_format(parser)
     elif name == "budgets":
         _add_models(parser)
         _add_fractions(parser)
@@ -343,6 +352,7 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
                                  "doubling size, and a tensor cannot span two)")
         _add_plot(parser, "peak memory against size, per method")
         _add_output(parser)
+        _add_format(parser)
     elif name == "solvers":
         from memsave_grads.bench import models  # pylint: disable=import-outside-toplevel
         _add_models(parser, default="the small graphs, all solvers")
@@ -392,6 +402,9 @@ def _prepare_environment() -> None:
 _TF_LOG_LINE = re.compile(r"^([IWEF])\d{4} [\d:.]+ +\d+ [^\s\]]+:\d+\] ")
 #: absl (C++) prints this before its first message when TensorFlow's libraries load.
 _ABSL_PRE_INIT_NOTICE = "WARNING: All log messages before absl::InitializeLog() is called"
+#: Logged as an error on every machine without a GPU driver; it says no more than the INFO line
+#: "Could not find cuda drivers" before it, so it counts as INFO.
+_NO_GPU_DRIVER_ERROR = "failed call to cuInit"
 #: TF_CPP_MIN_LOG_LEVEL (0..3) -> the severities it hides (TensorFlow's meaning of the variable).
 _HIDDEN_SEVERITIES = ("", "I", "IW", "IWE")
 
@@ -409,7 +422,11 @@ def _severity(line: str) -> str:
     if line.startswith(_ABSL_PRE_INIT_NOTICE):
         return "W"
     match = _TF_LOG_LINE.match(line)
-    return match.group(1) if match else ""
+    if match is None:
+        return ""
+    if _NO_GPU_DRIVER_ERROR in line:
+        return "I"
+    return match.group(1)
 
 
 @contextlib.contextmanager
@@ -446,12 +463,25 @@ def _start_up_noise_filtered():
             sys.stderr.flush()
 
 
+def _require_tensorflow(parser: argparse.ArgumentParser) -> None:
+    """Exit with status 2 and one line saying what to install where TensorFlow is missing or
+    too old (memsave_grads/_tf/compat.py decides, from the wheel's metadata, without importing
+    it), rather than with a traceback from the first ``import tensorflow``."""
+    try:
+        importlib.import_module("memsave_grads._tf")  # checks the installed TensorFlow
+    except errors.MissingDependencyError as e:
+        parser.exit(2, f"{PROG}: error: {e}\n")
+
+
 def _import_tensorflow() -> None:
     """Import TensorFlow here, once the environment is set, with its start-up noise filtered
     (a later import by the commands then finds it loaded)."""
     if "tensorflow" not in sys.modules:
         with _start_up_noise_filtered():
-            import tensorflow  # pylint: disable=import-outside-toplevel,unused-import  # noqa: F401
+            import tensorflow  # pylint: disable=import-outside-toplevel
+            # Finding the devices ends the start-up: on a machine without a GPU driver it is
+            # what logs cuInit's failure (see _severity).
+            tensorflow.config.list_physical_devices()
 
 
 def _start_logging() -> None:
@@ -484,6 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "fit-limit" and args.start > args.max:
         parser.command_parsers[args.command].error(
             f"argument --start: expected at most --max ({args.max}), got {args.start}")
+    _require_tensorflow(parser)
     _prepare_environment()
     _import_tensorflow()
     _start_logging()

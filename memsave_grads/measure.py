@@ -41,14 +41,32 @@ def peak_bytes_of(step: Callable[[], object], device: str | None = None) -> tupl
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     device = device or default_device()
     tf.config.experimental.reset_memory_stats(device)
-    before = tf.config.experimental.get_memory_info(device)["current"]
+    before = memory_info(device)["current"]
     result = step()
-    peak = tf.config.experimental.get_memory_info(device)["peak"]
+    peak = memory_info(device)["peak"]
     if peak == 0 and before == 0:
         raise AllocatorStatsUnavailableError(
             f"{device} reports no allocations: on CPU set {CPU_BFC_ENV}=true before importing "
             "TensorFlow.")
     return peak - before, result
+
+
+def memory_info(device: str) -> dict:
+    """``tf.config.experimental.get_memory_info(device)``, or our error with the remedy where
+    the allocator keeps no statistics: TensorFlow reports that with zeros on some builds and
+    with ``ValueError("Allocator stats not available ...")`` on others (2.21's CPU wheel)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    try:
+        return tf.config.experimental.get_memory_info(device)
+    except ValueError as e:
+        raise _no_statistics(device) from e
+
+
+def _no_statistics(device: str) -> AllocatorStatsUnavailableError:
+    return AllocatorStatsUnavailableError(
+        f"{device}'s allocator keeps no statistics, so no step can be measured. On CPU set "
+        f"{CPU_BFC_ENV}=true in the environment before TensorFlow is imported "
+        "(memsave_grads.measure.enable_cpu_allocator_stats()).")
 
 
 def check_allocator_stats(device: str | None = None) -> None:
@@ -57,11 +75,8 @@ def check_allocator_stats(device: str | None = None) -> None:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     device = device or default_device()
     probe = tf.zeros([1024])  # something in use, so that a keeping allocator reports it
-    if not tf.config.experimental.get_memory_info(device)["current"]:
-        raise AllocatorStatsUnavailableError(
-            f"{device}'s allocator keeps no statistics, so no step can be measured. On CPU "
-            f"set {CPU_BFC_ENV}=true in the environment before TensorFlow is imported "
-            "(memsave_grads.measure.enable_cpu_allocator_stats()).")
+    if not memory_info(device)["current"]:
+        raise _no_statistics(device)
     del probe
 
 

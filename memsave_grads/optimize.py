@@ -10,10 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads._tf import early_release
-from memsave_grads._tf import ordering
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads import _validate
 from memsave_grads import api
@@ -195,69 +193,7 @@ def minimize(loss: tf.Tensor, optimizer: Any, var_list: Sequence[tf.Variable] | 
             # gradient until the last one is complete and defeats the early updates.
             result = optimizer.apply_gradients(grads_and_vars, name=name,
                                                experimental_aggregate_gradients=False)
-        order_updates_early(loss, var_list, handles, grads, grad_floor, apply_floor,
-                            type(optimizer).__name__, "memsave_grads.minimize")
+        early_release.order_updates_early(loss, var_list, handles, grads, grad_floor,
+                                          apply_floor, type(optimizer).__name__,
+                                          "memsave_grads.minimize")
     return result
-
-
-def order_updates_early(loss: tf.Tensor, var_list: Sequence, handles: Sequence, grads: Sequence,
-                        grad_floor: int, apply_floor: int, optimizer_name: str,
-                        caller: str, release_order: bool = True) -> None:
-    """Add the early-release edges to one training step (design note "early release"):
-    ``grads`` of ``loss`` were built after op ``grad_floor``, the optimizer's update ops after
-    ``apply_floor``, in the current graph. Shared by :func:`minimize` and Keras'
-    ``wrap_model``: with ``release_gradients_early=True`` all of them, otherwise
-    (``release_order=False``) only the edges that keep each update's gradient-free terms and
-    writes from running early (``early_release.order_updates``)."""
-    step_ops = _step_ancestors(loss)
-    updates = []
-    for v, h, g in zip(var_list, handles, grads):
-        if g is None:
-            continue
-        fed, every = early_release.update_ops(g, h, apply_floor)
-        updates.append(early_release.VariableUpdate(
-            name=v.name, handle=h, grad=g,
-            producers=early_release.gradient_producers(g, grad_floor),
-            fed_ops=fed, update_ops=every,
-            readers=[r for r in early_release.value_readers(h, apply_floor)
-                     if tf_graph.creation_index(r) > grad_floor or r in step_ops]))
-    unordered = [u.name for u in updates if not u.fed_ops]
-    if unordered:
-        logging.warning("%s: apply_gradients of %s built no op reading the gradient or the "
-                        "variable of %s; those updates are left to dataflow.", caller,
-                        optimizer_name, unordered[:3])
-        updates = [u for u in updates if u.fed_ops]
-    # Why control dependencies at all: dataflow alone already runs an update as soon as its
-    # gradient exists, but nothing stops the backward pass from running ahead of the updates,
-    # so several weight gradients are alive at once. Measured on a 6 x 2048^2 MLP
-    # (docs/minimize.md): optimizer.minimize peaks at 2-3 gradients (GATE_OP) or all 6
-    # (GATE_GRAPH), gradients + apply_gradients at 3-4; with these edges, at 1. And a write
-    # racing a backward op that still reads the forward value of the weight makes TensorFlow
-    # copy the whole weight (copy-on-write), one more weight of memory.
-    # Backprop completes the gradients in this order (the op computing the last piece of a
-    # gradient is created later for layers nearer the input).
-    updates.sort(key=lambda u: max(map(tf_graph.creation_index, u.producers), default=0))
-    early_release.mark_early_roots(updates)
-    stats = early_release.order_updates(updates, grad_floor, release_order)
-    if ordering.xla_in_effect(tf.compat.v1.get_default_graph()):
-        # The release order is control edges only: a gradient cannot be made to wait for an
-        # earlier variable's *update* through dataflow without reading the updated variable,
-        # which would change the values.
-        ordering.warn_once(
-            f"{caller} under XLA",
-            f"{caller}: under XLA (jit_compile) the early-release ordering is control "
-            "dependencies, which XLA drops: updates stay exact, but when each gradient is "
-            "released is up to XLA's scheduler. Recomputation savings are kept (design note "
-            "\"ordering under XLA\").")
-    logging.vlog(1, "%s: %d variables; control edges %s", caller, len(updates), stats)
-    if stats["skipped_cycles"]:
-        logging.info("%s: %d ordering edges would have closed a cycle and were left out (a "
-                     "weight used twice, two gradients from one op such as batch norm's gamma "
-                     "and beta, or gradients combined across variables such as a global-norm "
-                     "clip); those updates run when dataflow allows.", caller,
-                     stats["skipped_cycles"])
-
-
-def _step_ancestors(loss: tf.Tensor) -> set:
-    """Every op the forward pass of ``loss`` depends on (data or control)."""
-    return set(tf_graph.walk([loss.op], tf_graph.dependency_ops))

@@ -5,7 +5,8 @@ TensorFlow exposes two functions under many module attributes: ``gradients_impl.
 ``tensorflow.compat.v2.compat.v1.gradients`` used by tf_keras...) and ``gradients_impl.gradients_v2``
 (``tf.gradients`` in TF 2, the ``_api.v2`` modules). :func:`patch` replaces every module attribute
 that *is* one of them and remembers each one, so :func:`unpatch` restores exactly those (design
-note "patching").
+note "patching"). It also routes ``tf.GradientTape`` inside graphs (:mod:`memsave_grads.tape`,
+design note "tape routing"), which never calls ``tf.gradients``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import tensorflow as tf
 from absl import logging
 
 from memsave_grads._tf import graph as tf_graph
+from memsave_grads._tf import tape_record
 from memsave_grads import _validate
 from memsave_grads import api
 from memsave_grads import errors
+from memsave_grads import tape
 
 _lock = threading.Lock()
 _active = None  # the live _Patch, if any
@@ -37,9 +40,12 @@ def is_patched() -> bool:
 class _Patch:
     """A live patch; also a context manager that unpatches on exit."""
 
-    def __init__(self, checkpoints, fallback: str):
+    def __init__(self, checkpoints, fallback: str, tapes: bool):
         self.checkpoints = checkpoints
         self.fallback = fallback
+        self.tapes = tapes
+        #: The tape routing this patch started (``tapes=True``), ended by ``restore``.
+        self.tape_routing: tape.Routing | None = None
         self.replaced: list[tuple[object, str, object]] = []  # (module, attribute, original)
         # (original, wrapper) pairs, compared by identity: module attributes can be unhashable.
         self.wrappers = [(tf_graph.ORIGINAL_GRADIENTS, self._make_v1_wrapper()),
@@ -47,10 +53,11 @@ class _Patch:
 
     def call(self, ys, xs, grad_ys, kwargs):
         """What every patched name does: memsave_grads, or the original where it must."""
-        if _active is not self:  # a stale reference kept past unpatch()
-            return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **kwargs)
-        return api.gradients_or_fallback(ys, xs, grad_ys, self.checkpoints, self.fallback,
-                                         "memsave_grads", **kwargs)
+        with tape_record.building_gradients():  # a tape a gradient function opens is TF's
+            if _active is not self:  # a stale reference kept past unpatch()
+                return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **kwargs)
+            return api.gradients_or_fallback(ys, xs, grad_ys, self.checkpoints, self.fallback,
+                                             "memsave_grads", **kwargs)
 
     def _make_v1_wrapper(self):
         @tf.autograph.experimental.do_not_convert
@@ -92,7 +99,11 @@ class _Patch:
                     if value is original:
                         setattr(module, attr, wrapper)
                         self.replaced.append((module, attr, original))
-        logging.info("memsave_grads: patched %d references to tf.gradients", len(self.replaced))
+        if self.tapes:
+            self.tape_routing = tape.start_routing(tape.Routing(
+                self.checkpoints, self.fallback, "memsave_grads.patch"))
+        logging.info("memsave_grads: patched %d references to tf.gradients%s",
+                     len(self.replaced), " and tf.GradientTape" if self.tapes else "")
 
     def restore(self) -> None:
         wrappers = [wrapper for _, wrapper in self.wrappers]
@@ -100,6 +111,9 @@ class _Patch:
             if any(getattr(module, attr, None) is w for w in wrappers):
                 setattr(module, attr, original)
         self.replaced.clear()
+        if self.tape_routing is not None:
+            tape.stop_routing(self.tape_routing)
+            self.tape_routing = None
 
     def __enter__(self):
         return self
@@ -110,18 +124,24 @@ class _Patch:
         return False
 
 
-def patch(checkpoints: api.Checkpoints = "memory", fallback: str = "warn") -> _Patch:
-    """Make ``tf.gradients`` and its aliases compute gradients with memsave_grads.
+def patch(checkpoints: api.Checkpoints = "memory", fallback: str = "warn",
+          tapes: bool = True) -> _Patch:
+    """Make ``tf.gradients``, its aliases and ``tf.GradientTape`` compute gradients with
+    memsave_grads.
 
     Routes ``tf.gradients``, ``tf.compat.v1.gradients``, v1 ``Optimizer.minimize`` /
-    ``compute_gradients`` and Keras 2 (tf_keras) graph-mode gradients. ``tf.GradientTape`` is
-    not affected. Use as ``patch(...)`` ... ``unpatch()``, or ``with patch(...):``.
+    ``compute_gradients`` and Keras 2 (tf_keras) graph-mode gradients; and, with ``tapes``,
+    ``tf.GradientTape.gradient`` inside graphs (``tf.function``, Keras' traced steps, v1
+    graphs) for tapes entered while patched, with the tape's exact semantics (see
+    :func:`memsave_grads.route_tapes`). Use as ``patch(...)`` ... ``unpatch()``, or
+    ``with patch(...):``.
 
     Args:
       checkpoints: as in :func:`memsave_grads.gradients`.
       fallback: ``"warn"`` (default): where the strategy finds nothing to keep or the graph
         cannot be rewritten (``NoCheckpointsFoundError``, ``UnsupportedGraphError``), log a
         warning and compute that gradient with the original ``tf.gradients``; ``"error"``: raise.
+      tapes: route ``tf.GradientTape`` too (default True); False leaves tapes to TensorFlow.
 
     Raises:
       PatchStateError: already patched (call ``unpatch()`` first).
@@ -130,13 +150,17 @@ def patch(checkpoints: api.Checkpoints = "memory", fallback: str = "warn") -> _P
     """
     global _active
     _validate.check_deferred_options(checkpoints, fallback)
+    if not isinstance(tapes, bool):
+        raise errors.InvalidTypeError(
+            f"tapes: expected True (route tf.GradientTape too) or False, got "
+            f"{type(tapes).__name__}: {tapes!r:.60}.")
     with _lock:
         if _active is not None:
             raise errors.PatchStateError(
                 f"patch(): tf.gradients is already patched (checkpoints="
                 f"{_active.checkpoints!r}). Call memsave_grads.unpatch() first, or use "
                 "`with memsave_grads.patch(...):` so the patch ends by itself.")
-        state = _Patch(checkpoints, fallback)
+        state = _Patch(checkpoints, fallback, tapes)
         state.apply()
         _active = state
     return state

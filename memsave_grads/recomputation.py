@@ -68,7 +68,10 @@ def recompute(fn: Callable) -> Callable:
             f"recompute: fn: expected a callable (a step or cell function), got "
             f"{type(fn).__name__}: {fn!r:.80}.")
 
+    # Not converted by AutoGraph: the step is called from user code that AutoGraph converts, and
+    # it would otherwise convert (and warn about) our graph-walking helpers too.
     @functools.wraps(fn)
+    @tf.autograph.experimental.do_not_convert
     def wrapper(*args, **kwargs):
         if kwargs:
             raise errors.InvalidTypeError(

@@ -58,8 +58,8 @@ def _rewrite_even_where_plain_would_do(request, monkeypatch):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """The ``checkpoints`` of every ``memsave_grads.gradients`` call (a patched tf.gradients
-    included); unpatches at the end if a test left the patch on."""
+    """The ``checkpoints`` of every ``memsave_grads.gradients`` call (a patched tf.gradients and
+    a routed tape included), as given; unpatches at the end if a test left the patch on."""
     import memsave_grads as mg  # pylint: disable=import-outside-toplevel
     from memsave_grads import api  # pylint: disable=import-outside-toplevel
     calls = []
@@ -69,7 +69,9 @@ def spy(monkeypatch):
     assert mg.gradients is real
 
     def recording(*args, **kwargs):
-        calls.append(kwargs.get("checkpoints"))
+        checkpoints = kwargs.get("checkpoints")
+        # As the caller gave it: the Keras step passes it on parsed (_validate.check_checkpoints).
+        calls.append(getattr(checkpoints, "given", checkpoints))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(api, "gradients", recording)

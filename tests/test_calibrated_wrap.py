@@ -12,6 +12,7 @@ import memsave_grads as mg
 from keras_support import FLAVOURS, KERAS, bn_dropout_mlp, clear_session, fit_step_peaks_mib
 from keras_support import fresh_keras  # noqa: F401  (fixture)
 from memsave_grads import keras as keras_lib
+from memsave_grads.keras import calibration as keras_calibration
 from tf_builders import residual_mlp_step
 
 MIB = 2**20
@@ -119,14 +120,14 @@ def test_wrap_model_refuses_it_under_a_distribution_strategy():
 def calibrations(monkeypatch):
     """Every calibration wrap_model makes: (batch size, static_batch, data given)."""
     seen = []
-    real = keras_lib.calibrate_model
+    real = keras_calibration.calibrate_model
 
     def recording(model, budget, **kwargs):
         seen.append((kwargs["batch_size"], kwargs["static_batch"], kwargs["data"] is not None))
         return real(model, budget, runs=1, max_measurements=3,
                     **{k: v for k, v in kwargs.items() if k != "runs"})
 
-    monkeypatch.setattr(keras_lib, "calibrate_model", recording)
+    monkeypatch.setattr(keras_calibration, "calibrate_model", recording)
     return seen
 
 

@@ -318,6 +318,132 @@ def test_finalized_graph(chain):
         _raises(graph, mg.errors.FinalizedGraphError, "finalized", lambda: tf.gradients(y, x))
 
 
+# --------------------------------------------------------------------------------------------
+# Where tf.gradients raises for the same input, our message quotes its sentence (issue 35)
+# --------------------------------------------------------------------------------------------
+
+
+def _foreign(shape=()):
+    with tf.Graph().as_default():
+        return tf.ones(shape, name="foreign")
+
+
+def _tensor_list(x):
+    from tensorflow.python.ops import list_ops  # pylint: disable=import-outside-toplevel
+    return list_ops.tensor_list_push_back(
+        list_ops.empty_tensor_list(element_dtype=tf.float32, element_shape=[1, 2]), x)
+
+
+#: name -> (ys, xs, keyword arguments) built from the chain fixture's (x, h3, y); each is an
+#: input tf.gradients itself refuses.
+TENSORFLOW_REFUSES = {
+    "unconnected_nonsense": lambda x, h3, y: (y, x, {"unconnected_gradients": "nonsense"}),
+    "unconnected_number": lambda x, h3, y: (y, x, {"unconnected_gradients": 5}),
+    "complex_y_without_grad_ys": lambda x, h3, y: (tf.complex(h3, h3), x, {}),
+    "grad_ys_length": lambda x, h3, y: (y, x, {"grad_ys": [None, None]}),
+    "complex_grad_y_for_float_y": lambda x, h3, y: (
+        h3, x, {"grad_ys": tf.complex(tf.ones([1, 2]), tf.ones([1, 2]))}),
+    "bool_grad_y_for_float_y": lambda x, h3, y: (h3, x, {"grad_ys": tf.constant([[True, False]])}),
+    "string_grad_y_for_float_y": lambda x, h3, y: (y, x, {"grad_ys": "abc"}),
+    "float_grad_y_for_complex_y": lambda x, h3, y: (
+        tf.complex(h3, h3), x, {"grad_ys": tf.ones([1, 2])}),
+    "float_grad_y_for_variant_y": lambda x, h3, y: (
+        _tensor_list(h3), x, {"grad_ys": tf.ones([1, 2])}),
+    "grad_y_for_boolean_y": lambda x, h3, y: (
+        [y, tf.less(h3, 0.5)], x, {"grad_ys": [None, tf.constant([[True, True]])]}),
+    "unconvertible_grad_y": lambda x, h3, y: (y, x, {"grad_ys": object()}),
+    "aggregation_number": lambda x, h3, y: (y, x, {"aggregation_method": 7}),
+    "aggregation_string": lambda x, h3, y: (y, x, {"aggregation_method": "ADD_N"}),
+    "root_scope_name": lambda x, h3, y: (y, x, {"name": "_hidden"}),
+    "scope_name_not_a_string": lambda x, h3, y: (y, x, {"name": 5}),
+    "unknown_keyword": lambda x, h3, y: (y, x, {"gate": True}),
+    "x_of_another_graph": lambda x, h3, y: (y, _foreign(), {}),
+    "ys_of_two_graphs": lambda x, h3, y: ([y, _foreign()], x, {}),
+    "grad_y_of_another_graph": lambda x, h3, y: (y, x, {"grad_ys": _foreign()}),
+    "stop_gradients_of_another_graph": lambda x, h3, y: (
+        y, x, {"stop_gradients": [_foreign()]}),
+}
+
+
+def _ours_then_tensorflows(graph, ys, xs, kwargs):
+    """Our error (adding no op), then unpatched tf.gradients' own for the same arguments, in
+    the same graph (its sentence may name the graphs)."""
+    before = len(graph.get_operations())
+    with pytest.raises(mg.MemsaveGradsError) as ours:
+        mg.gradients(ys, xs, checkpoints="memory", **kwargs)
+    assert len(graph.get_operations()) == before, "the failed call left ops in the graph"
+    with pytest.raises(Exception) as theirs:
+        tf.compat.v1.gradients(ys, xs, **kwargs)
+    return ours.value, theirs.value
+
+
+@pytest.mark.parametrize("case", sorted(TENSORFLOW_REFUSES))
+def test_our_error_quotes_tensorflows_sentence(chain, case):
+    graph, x, (_, _, h3), y = chain
+    ys, xs, kwargs = TENSORFLOW_REFUSES[case](x, h3, y)
+    ours, theirs = _ours_then_tensorflows(graph, ys, xs, kwargs)
+    assert isinstance(ours, type(theirs)), f"ours {type(ours)}, TensorFlow's {type(theirs)}"
+    assert f"TensorFlow's message: {theirs}" in str(ours)
+    assert str(ours).index("TensorFlow's message") > 40, "our own message comes first"
+
+
+def test_our_error_quotes_tensorflows_nested_scope_sentence(chain):
+    graph, x, _, y = chain
+    with tf.name_scope("outer"):
+        ours, theirs = _ours_then_tensorflows(graph, y, x, {"name": "a b"})
+    assert "is not a valid scope name" in str(theirs)
+    assert str(theirs) in str(ours) and isinstance(ours, ValueError)
+
+
+def test_finalized_graph_quotes_tensorflows_sentence(chain):
+    graph, x, _, y = chain
+    graph.finalize()
+    ours, theirs = _ours_then_tensorflows(graph, y, x, {})
+    assert isinstance(ours, RuntimeError) and str(theirs) in str(ours)
+
+
+def test_eager_execution_quotes_tensorflows_sentence():
+    assert tf.executing_eagerly()
+    x = tf.constant(1.0)
+    with pytest.raises(mg.EagerExecutionError) as ours:
+        mg.gradients(x * x, x, checkpoints="memory")
+    with pytest.raises(RuntimeError) as theirs:
+        tf.gradients(x * x, x)
+    assert str(theirs.value) in str(ours.value)
+
+
+def test_no_sentence_where_tensorflow_raises_nothing_there(chain):
+    """A float64 grad_y for a float32 y: tf.gradients fails later, in an op's gradient, with
+    that op's text; ours has no TensorFlow sentence to quote."""
+    graph, x, (_, _, h3), _ = chain
+    wider = tf.ones([1, 2], tf.float64)
+    err = _raises(graph, mg.InvalidTypeError, r"grad_ys\[0\]: expected float32",
+                  lambda: mg.gradients(h3, x, grad_ys=wider, checkpoints="memory"))
+    assert "TensorFlow's message" not in str(err)
+
+
+def test_no_aggregation_sentence_where_tensorflow_accepts_the_value(chain):
+    """tf.gradients lets 1.0 through (it equals EXPERIMENTAL_TREE); we refuse a float, without
+    quoting a sentence TensorFlow does not say."""
+    graph, x, _, y = chain
+    err = _raises(graph, mg.InvalidArgumentError, "aggregation_method: .*1.0",
+                  lambda: mg.gradients(y, x, checkpoints="memory", aggregation_method=1.0))
+    assert "TensorFlow's message" not in str(err)
+
+
+def test_tensorflows_sentence_under_patch(chain):
+    """TensorFlow's own tests (OnlyRealGradientsTest, testUnknownUnconnectedGradientsValueGiven)
+    match these regular expressions; so must the patched tf.gradients."""
+    graph, x, (_, _, h3), y = chain
+    with mg.patch("memory"):
+        with pytest.raises(TypeError, match=r"Gradients of complex tensors .* must set grad_ys "
+                                            r"\(y\.dtype = complex64\)"):
+            tf.gradients(tf.complex(h3, h3), x)
+        with pytest.raises(ValueError,
+                           match="Unknown value for unconnected_gradients: 'nonsense'"):
+            tf.gradients(y, x, unconnected_gradients="nonsense")
+
+
 @pytest.mark.parametrize("budget, match", [
     ("budget:1e999B", "checkpoints: budget 'budget:1e999B' is larger than the largest"),
     ("budget:1e300TiB", "is larger than the largest"),

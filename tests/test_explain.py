@@ -77,7 +77,7 @@ def test_a_select_s_gradient_reads_its_values_only_through_a_dynamic_shape(batch
         scaled = tf.multiply(h, 1.25, name="scaled")
         dropped = tf.where(mask, scaled, tf.zeros([], tf.float32), name="dropped")
         loss = tf.reduce_sum(tf.tanh(dropped))
-        model = api._prepare(loss, [w], None, [], {}, select=False).selection.model  # pylint: disable=protected-access
+        model = api.prepare(loss, [w], None, [], {}, select=False).selection.model
     node = {name: i for i, name in enumerate(model.names)}
     assert model.gradient_reads_input(node["dropped"], node["scaled"]) == reads_values
     # The comparison passes no gradient back, so nothing it reads is held for backprop.
@@ -97,7 +97,7 @@ def test_model_reads_inputs_per_edge():
         quarter = tf.divide(half, 2.0, name="quarter")
         scaled = tf.multiply(quarter, w[0], name="scaled")
         loss = tf.reduce_sum(tf.nn.relu6(scaled, name="relu6"))
-        model = api._prepare(loss, [w], None, [], {}, select=False).selection.model  # pylint: disable=protected-access
+        model = api.prepare(loss, [w], None, [], {}, select=False).selection.model
     node = {name: i for i, name in enumerate(model.names)}
     assert not model.gradient_reads_input(node["half"], node["h"])
     assert not model.gradient_reads_input(node["quarter"], node["half"])

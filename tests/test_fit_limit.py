@@ -1,7 +1,8 @@
-"""fit-limit (memsave_grads/bench/fit_limit.py): its search and table against fake tries, its
+"""fit-limit (memsave_grads/fit_limit.py): its search and table against fake tries, its
 model argument, tries in their own capped processes, and the whole command (slow); and
 explain(model) for Keras models."""
 
+import json
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 
 import memsave_grads as mg
 from memsave_grads import measure
-from memsave_grads.bench import fit_limit
+from memsave_grads import fit_limit
 
 
 def _fake(limit):
@@ -39,12 +40,45 @@ def test_search_stops_at_a_failure_that_is_not_memory():
     assert "ValueError" in fit_limit.table([found], "batch", 100)
 
 
-def test_the_table_compares_with_tf_gradients():
+def test_the_table_compares_with_the_reference_and_names_it():
     plain = fit_limit.search(fit_limit.PLAIN, _fake(10), 1, 4096)
     ours = fit_limit.search("memory", _fake(40), 1, 4096)
-    text = fit_limit.table([plain, ours], "batch", 100)
+    text = fit_limit.table([plain, ours], "batch", 100, baseline="stock fit")
     ratio = ours.largest.size / plain.largest.size
-    assert f"{ratio:.2f}x" in text
+    assert f"| {ratio:.2f}x |" in text
+    assert "| stock fit |" in text and "vs stock fit" in text and "tf.gradients" not in text
+    # Without a timing run, no time ratio: times of separate processes are not compared.
+    assert "| - |" in text.splitlines()[-1]
+
+
+def test_a_size_ratio_that_is_a_bound_says_so():
+    plain = fit_limit.search(fit_limit.PLAIN, _fake(10), 1, 64)
+    reached = fit_limit.search("memory", _fake(1000), 1, 64)   # still fit at --max
+    assert reached.reached_max and reached.largest_text == ">= 64"
+    row = fit_limit.table([plain, reached], "batch", 100).splitlines()[-1]
+    assert f"| >= {64 / plain.largest.size:.2f}x |" in row
+    # The reference at --max: the ratio is an upper bound; both there: no ratio at all.
+    assert fit_limit.ratio_text(0.5, at_least=False, at_most=True) == "<= 0.50x"
+    assert fit_limit.ratio_text(1.0, at_least=True, at_most=True) == "-"
+
+
+def test_time_ratios_are_the_median_of_rounds_run_in_one_process():
+    plain = fit_limit.search(fit_limit.PLAIN, _fake(10), 1, 4096)
+    ours = fit_limit.search("memory", _fake(40), 1, 4096)
+    timing = fit_limit.Timing("memory", 1.21, 1.1, 1.4)
+    row = fit_limit.table([plain, ours], "batch", 100, [timing]).splitlines()[-1]
+    assert "| 1.21x (1.10-1.40) |" in row
+
+
+def test_methods_are_timed_against_the_reference_in_one_process():
+    """A real timing run: both steps built in one fresh process, one step each per round."""
+    step = f"{MODELS}:tanh_chain_step"
+    reference = fit_limit.Attempt(fit_limit.PLAIN, 64, True, peak_bytes=1, step_seconds=1.0)
+    ours = fit_limit.Attempt("memory", 128, True, peak_bytes=1, step_seconds=1.0)
+    timings, why = fit_limit.time_against(step, reference, [ours], rounds=3)
+    assert not why and [t.method for t in timings] == ["memory"]
+    timing = timings[0]
+    assert 0 < timing.lowest <= timing.ratio <= timing.highest
 
 
 def _tries(*outcomes):
@@ -98,6 +132,8 @@ def test_the_command_tries_each_size_as_often_as_asked(monkeypatch, capsys):
 
     monkeypatch.setattr(fit_limit, "attempt", fake_attempt)
     monkeypatch.setattr(fit_limit, "check", lambda *a, **k: {"kind": "keras", "keras": "?"})
+    monkeypatch.setattr(fit_limit, "time_against", lambda source, reference, others, **k: (
+        [fit_limit.Timing(a.method, 1.2, 1.1, 1.3) for a in others], ""))
     from memsave_grads import cli  # pylint: disable=import-outside-toplevel
     from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
     args = cli.build_parser().parse_args([
@@ -110,8 +146,61 @@ def test_the_command_tries_each_size_as_often_as_asked(monkeypatch, capsys):
         sizes = [size for m, size in calls if m == method]
         assert sizes.count(8) == 2 and sizes.count(16) == 2     # every fitting size twice
         assert sizes.count(32) == 1                              # no second try after a failure
-    rows = [line for line in table.splitlines() if line.startswith("| tf.gradients")]
+    rows = [line for line in table.splitlines() if line.startswith("| stock fit")]
     assert rows and rows[0].split("|")[2].strip() == "16"   # not a lucky 17-20
+
+
+def _command(monkeypatch, argv, attempt, checked):
+    monkeypatch.setattr(fit_limit, "attempt", attempt)
+    monkeypatch.setattr(fit_limit, "check", lambda *a, **k: checked)
+    monkeypatch.setattr(fit_limit, "time_against", lambda *a, **k: ([], "not timed"))
+    from memsave_grads import cli  # pylint: disable=import-outside-toplevel
+    from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
+    return commands, cli.build_parser().parse_args(["fit-limit", f"{MODELS}:residual_mlp", *argv])
+
+
+def test_fit_limit_json_has_every_try_and_the_timings(monkeypatch, capsys):
+    def fits_to_16(source, method, batch_size, *a, **k):
+        if batch_size <= (16 if method == fit_limit.PLAIN else 64):
+            return fit_limit.Attempt(method, batch_size, True, peak_bytes=batch_size,
+                                     step_seconds=0.01)
+        return fit_limit.Attempt(method, batch_size, False, error="OOM", out_of_memory=True)
+    commands, args = _command(monkeypatch, ["--limit-mib", "100", "--max", "64", "--format",
+                                            "json"], fits_to_16, {"kind": "step"})
+    monkeypatch.setattr(fit_limit, "time_against", lambda source, reference, others, **k: (
+        [fit_limit.Timing(a.method, 1.2, 1.1, 1.3) for a in others], ""))
+    assert commands.fit_limit_command(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["reference"] == "tf.gradients" and data["limit_mib"] == 100
+    plain, ours = data["methods"]
+    assert plain["largest"] == 16 and not plain["lower_bound"]
+    assert ours["largest"] == 64 and ours["lower_bound"] and ours["size_ratio"] == 4.0
+    assert [a["size"] for a in ours["attempts"]] == [8, 16, 32, 64]
+    assert data["timings"] == [{"method": "memory", "ratio": 1.2, "lowest": 1.1,
+                                "highest": 1.3}]
+
+
+def test_weights_and_optimizer_state_over_the_limit_are_refused_before_any_try(monkeypatch):
+    tried = []
+    commands, args = _command(
+        monkeypatch, ["--limit-mib", "100"], lambda *a, **k: tried.append(a),
+        {"kind": "keras", "keras": "Keras 3", "weights_bytes": 60 * 2**20,
+         "optimizer_state_bytes": 60 * 2**20})
+    with pytest.raises(commands.CommandLineError,
+                       match=r"weights \(60 MiB\) and its optimizer's state \(60 MiB\) "
+                             r"alone take 120 MiB, more than the limit of 100 MiB"):
+        commands.fit_limit_command(args)
+    assert not tried
+
+
+def test_nothing_fitting_is_a_failed_command(monkeypatch, caplog):
+    def never(source, method, batch_size, *a, **k):
+        return fit_limit.Attempt(method, batch_size, False, error="OOM", out_of_memory=True)
+    commands, args = _command(monkeypatch, ["--limit-mib", "100", "--start", "4"], never,
+                              {"kind": "step"})
+    with caplog.at_level("ERROR"):
+        assert commands.fit_limit_command(args) == 1
+    assert "nothing fit under 100 MiB, not even batch 1" in caplog.text
 
 
 def test_tries_must_be_positive(capsys):
@@ -265,7 +354,7 @@ def test_a_capped_cpu_allocator_needs_its_limit_as_one_region(reserve):
 def test_a_try_reserves_the_limit_only_when_asked(monkeypatch):
     """``attempt(..., reserve_limit=True)`` asks the child to reserve; by default it does not
     (the README's fit-limit rows were measured with a growing allocator)."""
-    from memsave_grads.bench import child  # pylint: disable=import-outside-toplevel
+    from memsave_grads import _child as child  # pylint: disable=import-outside-toplevel
     requests = []
 
     def fake_run(module, request, env=None, timeout_s=None):
@@ -299,7 +388,7 @@ def test_a_crash_under_the_cap_is_memory_only_if_the_try_runs_without_it(monkeyp
     ResNet50 at batch 64 under 600 MiB): such a try is out of memory if it runs uncapped, a
     failure (which stops the search) if it crashes there too. The child's last stderr line is
     then TensorFlow's last log line, so the signal is reported instead."""
-    from memsave_grads.bench import child  # pylint: disable=import-outside-toplevel
+    from memsave_grads import _child as child  # pylint: disable=import-outside-toplevel
     calls = []
 
     def fake_run(module, request, env=None, timeout_s=None):
@@ -346,11 +435,11 @@ def test_fit_limit_command_finds_a_larger_batch_with_memsave(tmp_path):
     ("gpt_decoder", {"layers": 1, "sequence": 16}), ("lstm", {"steps": 6, "units": 8}),
     ("efficientnet_b0", {"image_size": 32})])
 def test_the_readme_models_build_and_plan(name, kwargs):
-    """examples/fit_limit_models.py (the README headline's models), smaller: each builds a
-    compiled Keras model (3, or tf_keras) whose training step memsave_grads plans (traced, not
-    run)."""
-    path = f"{fit_limit.__file__.rsplit('/memsave_grads/', 1)[0]}/examples/fit_limit_models.py"
-    model = fit_limit._load_function(f"{path}:{name}")(2, **kwargs)  # pylint: disable=protected-access
+    """memsave_grads.bench.fit_limit_models (the README headline's models, named as a module of
+    the installed package), smaller: each builds a compiled Keras model (3, or tf_keras) whose
+    training step memsave_grads plans (traced, not run)."""
+    source = f"memsave_grads.bench.fit_limit_models:{name}"
+    model = fit_limit._load_function(source)(2, **kwargs)  # pylint: disable=protected-access
     report = mg.explain(model, batch_size=2)
     assert report.forward_ops > 10 and report.predicted_plain_peak_bytes > 0, report
 
@@ -562,7 +651,7 @@ def test_keras_remat_failing_is_an_answer_not_the_command_s_failure(monkeypatch,
 def test_a_check_the_machine_killed_does_not_stop_the_search(monkeypatch):
     """The build before the search runs without a cap: killed (the machine's own memory) or
     past its time, it says nothing about the model, and the search goes on."""
-    from memsave_grads.bench import child  # pylint: disable=import-outside-toplevel
+    from memsave_grads import _child as child  # pylint: disable=import-outside-toplevel
     for outcome in (child.ChildRun(None, -9, ""), child.ChildRun(None, None, "", True)):
         monkeypatch.setattr(child, "run", lambda *a, outcome=outcome, **k: outcome)
         assert fit_limit.check(f"{MODELS}:residual_mlp", 8) is None

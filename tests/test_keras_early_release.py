@@ -13,7 +13,7 @@ import tensorflow as tf
 from memsave_grads import errors
 from memsave_grads import measure
 from memsave_grads._tf import early_release
-from memsave_grads import keras as mg_keras
+from memsave_grads.keras import updates as keras_updates
 from memsave_grads.keras import wrap_model
 
 from keras_support import FLAVOURS, KERAS, clear_session, fresh_keras  # noqa: F401,E402
@@ -100,8 +100,8 @@ def test_weights_and_iterations_match_stock_fit(optimizer_name, checkpoints, ear
     stock, stock_loss = _fit(optimizer_name, flavour)
     clear_session(KERAS[flavour])
     ordered = []   # the ordered step ran, with the release order only where asked for
-    real = mg_keras._apply_releasing_early  # pylint: disable=protected-access
-    monkeypatch.setattr(mg_keras, "_apply_releasing_early",
+    real = keras_updates.apply_releasing_early
+    monkeypatch.setattr(keras_updates, "apply_releasing_early",
                         lambda *args: ordered.append(args[-1]) or real(*args))
     ours, loss = _fit(optimizer_name, flavour, checkpoints=checkpoints,
                       release_gradients_early=early)
@@ -256,7 +256,8 @@ def test_tf_keras_steps_that_cannot_skip_the_sum_train_as_stock(optimizer, monke
     stock = fit(False)
     clear_session(tf_keras)
     ordered = []
-    monkeypatch.setattr(mg_keras, "_apply_releasing_early", lambda *args: ordered.append(args))
+    monkeypatch.setattr(keras_updates, "apply_releasing_early",
+                        lambda *args: ordered.append(args))
     for a, e in zip(fit(True), stock):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * np.abs(e).max())
     assert not ordered

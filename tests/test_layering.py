@@ -8,6 +8,10 @@
 - The library never imports the benchmarks (``memsave_grads.bench``); only the CLI does.
 - No import cycles between the package's modules, deferred (function-level) imports included:
   a cycle hidden in a function still means neither module can be understood alone.
+- No module uses another module's private names (``api._prepare``): what a module shares is
+  public in it, and what it keeps private can change without a search of the package.
+- Inside ``memsave_grads.keras`` only ``flavour`` imports Keras (``keras``, ``tf_keras``):
+  which Keras a model is is decided there, once.
 - The core's tests run without TensorFlow.
 
 The imports are read from the source with ``ast`` (every ``import`` statement, wherever it is,
@@ -46,10 +50,10 @@ PRIVATE_PREFIXES = ("tensorflow.python", "tensorflow.core", "tensorflow.compiler
 #: Modules outside memsave_grads._tf allowed a private import, and why. Shrink it, never grow
 #: it without a reason; an entry no longer needed fails the test.
 PRIVATE_IMPORT_EXCEPTIONS = {
-    ("memsave_grads.keras", "keras.src.backend.tensorflow.trainer"):
+    ("memsave_grads.keras.flavour", "keras.src.backend.tensorflow.trainer"):
         "the stock Keras 3 train_step (TensorFlowTrainer.train_step), which unwrap_model "
         "restores, is reachable only through the private trainer module",
-    ("memsave_grads.keras", "keras.src.losses.loss"):
+    ("memsave_grads.keras.flavour", "keras.src.losses.loss"):
         "unscale_loss_for_distribution, which the stock train_step applies before tracking "
         "the loss, has no public equivalent",
 }
@@ -237,6 +241,55 @@ def test_the_library_never_imports_the_benchmarks(imports):
     assert not wrong, "only the command line imports memsave_grads.bench:\n" + "\n".join(wrong)
     assert any(_under(imp.target, "memsave_grads.bench") for imp in imports
                if _under(imp.importer, *MAY_IMPORT_BENCH)), "the check read no bench import"
+
+
+# --------------------------------------------------------------------------------------------
+# Private names stay in their module; Keras is imported by the Keras flavour only
+# --------------------------------------------------------------------------------------------
+
+
+def _private_uses(module: str, path: pathlib.Path, modules) -> list[str]:
+    """``alias._name`` in ``path`` where ``alias`` is another module of ours (imported as
+    ``from memsave_grads... import x`` or ``import memsave_grads.x as alias``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("memsave_grads"):
+            aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
+                            if f"{node.module}.{a.name}" in modules})
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names
+                            if a.name in modules and a.asname})
+    return [f"{module}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id in aliases and aliases[node.value.id] != module
+            and node.attr.startswith("_") and not node.attr.startswith("__")]
+
+
+def test_the_private_name_reader_finds_a_use(tmp_path):
+    source = tmp_path / "sample.py"
+    source.write_text("from memsave_grads import api\n"
+                      "from memsave_grads.keras import flavour as f\n"
+                      "api._prepare(1)\nf.KERAS\napi.__name__\n")
+    modules = {"memsave_grads.api", "memsave_grads.keras.flavour"}
+    assert _private_uses("memsave_grads.sample", source, modules) == [
+        "memsave_grads.sample:3 uses memsave_grads.api._prepare"]
+
+
+def test_no_module_uses_another_module_s_private_names():
+    modules = _our_modules()
+    found = [use for name, path in modules.items() for use in _private_uses(name, path, modules)]
+    assert not found, ("make the name public in its module, or move the code that needs it "
+                       "there:\n" + "\n".join(found))
+
+
+def test_inside_the_keras_package_only_its_flavour_imports_keras(imports):
+    keras_imports = [imp for imp in imports if _under(imp.importer, "memsave_grads.keras")
+                     and imp.target.split(".")[0] in ("keras", "tf_keras")]
+    assert {imp.importer for imp in keras_imports} == {"memsave_grads.keras.flavour"}, \
+        "\n".join(map(str, keras_imports))
+    assert all(imp.deferred for imp in keras_imports), "Keras is imported on first use only"
 
 
 # --------------------------------------------------------------------------------------------

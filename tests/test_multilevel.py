@@ -33,7 +33,7 @@ MIB = measure.MIB
 
 def _nested_gradients(ys, xs, levels):
     """mg.gradients with a balanced nested plan of ``levels`` levels."""
-    prepared = api._prepare(ys, xs, None, "memory", {}, select=False)
+    prepared = api.prepare(ys, xs, None, "memory", {}, select=False)
     ctx = prepared.selection
     candidates, must_keep, not_replayed = ctx.node_sets()
     plan = multilevel.balanced_plan(ctx.model, must_keep, candidates, levels, not_replayed)
@@ -121,9 +121,9 @@ def test_revolve_budget_below_the_memory_plan_on_networks(model):
     with graph.as_default():
         y, xs = _build(model)
         expected = tf.gradients(y, xs)
-        single = api._prepare(y, xs, None, "memory", {}).plan.predicted_peak_bytes
+        single = api.prepare(y, xs, None, "memory", {}).plan.predicted_peak_bytes
         budget = mg.Budget(bytes=int(0.7 * single), solver="revolve")
-        plan = api._prepare(y, xs, None, budget, {}).plan
+        plan = api.prepare(y, xs, None, budget, {}).plan
         assert plan.predicted_peak_bytes <= budget.bytes
         assert plan.levels >= 2
         got = mg.gradients(y, xs, checkpoints=budget)
@@ -231,7 +231,7 @@ def _measure(checkpoints):
         x = tf.compat.v1.placeholder(tf.float32, [ROWS, COLS])
         y = tf.reduce_sum(tanh_layers(x, LAYERS))
         grads = mg.gradients(y, x, checkpoints=checkpoints)
-        plan = api._prepare(y, x, None, checkpoints, {}).plan
+        plan = api.prepare(y, x, None, checkpoints, {}).plan
     feed = {x: np.random.RandomState(0).rand(ROWS, COLS).astype(np.float32)}
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(grads, feed)

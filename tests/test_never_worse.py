@@ -286,7 +286,7 @@ for batch in (1, 2):
         images = tf.Variable(tf.random.stateless_normal([batch, 16, 16, 64], seed=[0, 1]))
         kernel = tf.Variable(tf.random.stateless_normal([3, 3, 64, 64], seed=[0, 2]))
         loss = tf.reduce_sum(tf.square(tf.nn.conv2d(images, kernel, 1, "SAME")))
-        ctx = api._prepare(loss, [kernel], None, [], {}, select=False).selection
+        ctx = api.prepare(loss, [kernel], None, [], {}, select=False).selection
         step = tf.reduce_sum(tf.gradients(loss, [kernel])[0])
         init = tf.compat.v1.global_variables_initializer()
     with tf.compat.v1.Session(graph=graph) as session:

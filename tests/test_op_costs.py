@@ -254,8 +254,8 @@ def _param_bytes(loss, variables, held):
     from memsave_grads import api  # pylint: disable=import-outside-toplevel
     import contextlib  # pylint: disable=import-outside-toplevel
     with api.gradients_applied_together() if held else contextlib.nullcontext():
-        ctx = api._prepare(loss, variables, None, [], {},  # pylint: disable=protected-access
-                           select=False).selection
+        ctx = api.prepare(loss, variables, None, [], {},
+                          select=False).selection
     model = ctx.model
     return ({op.type: b for op, b in zip(ctx.region, model.param_bytes) if b},
             sum(model.param_bytes))

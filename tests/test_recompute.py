@@ -116,6 +116,22 @@ def test_a_gathered_variable_gets_its_gradient(jit_compile):
     assert_grads_close([gradient(recompute(step))], [gradient(step)])
 
 
+def test_autograph_leaves_the_recomputed_step_alone(caplog):
+    # The step is called from a function AutoGraph converts; it converted our helpers too and
+    # warned "AutoGraph could not transform ... Please report this to the TensorFlow team".
+    params = _lstm_params(3)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss, xs = _lstm_loss(recompute, 3, params=params)
+        return tape.gradient(loss, xs)
+
+    with caplog.at_level("WARNING", logger="tensorflow"):
+        step()
+    assert not [r for r in caplog.records if "AutoGraph" in r.getMessage()], caplog.text
+
+
 def test_dropout_is_not_redrawn():
     """The gradient of a dropout layer in a loop must use the forward pass's masks. The exact
     gradient follows from the forward outputs; tf.recompute_grad, which calls the function

@@ -173,3 +173,88 @@ def test_sparse_partial_without_dense_shape_meeting_dense_is_an_error():
         sparse = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]))  # no dense_shape
         with pytest.raises(mg.SparseGradientError, match="no dense_shape"):
             stitch.aggregate([sparse, tf.ones([4, 2])], t)
+
+
+def _handle_data(t):
+    from tensorflow.python.ops import handle_data_util  # pylint: disable=import-outside-toplevel
+    return handle_data_util.get_resource_handle_data(t)
+
+
+def test_copies_carry_the_handle_data_of_variant_and_resource_outputs(graph):
+    """A While's TensorList outputs (a scan's states), a function call's TensorList output and
+    a resource passed through a loop get their handle data from TensorFlow's Python builders,
+    not from the C++ shape functions that run when an op is created (design note "handle
+    data"); each copy must carry its original's, or pfor cannot vectorize its gradient."""
+    from memsave_grads._tf import rewrite  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.ops import list_ops  # pylint: disable=import-outside-toplevel
+    x = tf.compat.v1.placeholder(tf.float32, [3, 4])
+    v = tf.compat.v1.Variable(tf.ones([4, 4]), use_resource=True)
+    states = tf.scan(lambda a, e: a + e, tf.range(6.0), initializer=x)
+
+    @tf.function
+    def as_list(t):
+        return list_ops.tensor_list_from_tensor(t, element_shape=[4])
+
+    listed = as_list(x)
+    _, handle = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, h),
+                              [tf.constant(0), v.handle])
+    del states, listed, handle
+    ops = [op for op in graph.get_operations() if op.type not in ("Placeholder", "VarHandleOp")]
+    copies = rewrite.copy_ops(ops, "copies", [])
+    checked = {}
+    for op, copy in copies.items():
+        for original, copied in zip(op.outputs, copy.outputs):
+            expected = _handle_data(original) if original.dtype in (tf.variant,
+                                                                    tf.resource) else None
+            if expected is not None and expected.is_set:
+                assert _handle_data(copied) == expected, (op.type, original.name)
+                checked.setdefault(op.type, 0)
+                checked[op.type] += 1
+    # The ops whose copies lost it before: While outputs and a call's output.
+    assert checked.get("StatelessWhile", 0) + checked.get("While", 0) >= 3, checked
+    assert checked.get("StatefulPartitionedCall", 0) + checked.get("PartitionedCall", 0) >= 1
+
+
+def test_jacobian_of_a_scan_through_the_rewrite():
+    """pfor vectorizes the gradient of the recomputed While (TensorFlow's
+    test_jacobian_scan_shape, in a tf.function; it failed with "Required handle data not set"
+    under the default "memory"). Every strategy, mode and container: the TF-semantics suite."""
+    from tensorflow.python.ops.parallel_for import (  # pylint: disable=import-outside-toplevel
+        gradients as pfor_gradients)
+
+    def jacobian():
+        x = tf.constant(np.random.RandomState(0).rand(2, 3).astype(np.float32))
+        w = tf.constant(np.random.RandomState(1).rand(3, 3).astype(np.float32) / 2)
+        h = tf.tanh(tf.matmul(tf.tanh(tf.matmul(x, w)), w))
+        states = tf.scan(lambda a, e: tf.tanh(tf.matmul(a, w) + e), tf.range(3.0),
+                         initializer=h)
+        return pfor_gradients.jacobian(states, x)
+
+    want = tf.function(jacobian)()
+    with mg.patch("memory"):
+        got = tf.function(jacobian)()
+    assert got.shape == [3, 2, 3, 2, 3]
+    assert_grads_close([got], [want])
+
+
+@pytest.mark.parametrize("strategy", ["memory", ["*"]])
+def test_gradient_ops_name_the_forward_op_not_its_copy(graph, strategy):
+    """tf.gradients records on each gradient op the forward op it differentiates
+    (``_original_op``; TensorFlow's testGradients checks it, error messages follow it back to
+    the user's code). Gradients of copies name the user's op, and so does each copy."""
+    x, ws, loss = _mlp()
+    forward = set(graph.get_operations())
+    grads = mg.gradients(loss, ws + [x], checkpoints=strategy)
+    new = [op for op in graph.get_operations() if op not in forward]
+    copies = [op for op in new if "/recompute_level" in op.name and "/boundary/" not in op.name
+              and op.type != "NoOp"]
+    assert copies, "expected recomputed segments"
+    # pylint: disable=protected-access
+    assert all(op._original_op in forward for op in copies)
+    credited = [op._original_op for op in new
+                if op not in copies and op._original_op is not None]
+    assert credited and all(op in forward for op in credited), (
+        sorted({op.name for op in credited if op not in forward}))
+    x_grad = grads[-1].op  # built by the gradient of layer 0's MatMul, which was recomputed
+    assert x_grad.type == "MatMul"
+    assert x_grad._original_op.name == "MatMul"  # pylint: disable=protected-access

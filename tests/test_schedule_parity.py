@@ -59,8 +59,8 @@ def _plans(prepared):
 @pytest.mark.parametrize("builder", sorted(BUILDERS))
 def test_model_and_rewrite_recompute_the_same_segments(builder, strategy, graph, monkeypatch):
     case = BUILDERS[builder]()
-    prepared = api._prepare(case.ys, case.xs, case.grad_ys, strategy,  # pylint: disable=protected-access
-                            dict(case.kwargs))
+    prepared = api.prepare(case.ys, case.xs, case.grad_ys, strategy,
+                           dict(case.kwargs))
     model = prepared.selection.model
     for name, plan in _plans(prepared):
         model_trace: list = []

@@ -17,6 +17,7 @@ when the module ends, and :func:`error_table` returns it.
 """
 
 import collections
+import dataclasses
 import re
 
 import numpy as np
@@ -101,7 +102,7 @@ def _graph_of(ys):
 
 
 def _plan_levels(ys, xs, budget) -> int:
-    plan = api._prepare(ys, xs, None, budget, {}).plan
+    plan = api.prepare(ys, xs, None, budget, {}).plan
     return plan.levels
 
 
@@ -109,9 +110,9 @@ def _revolve_budget(ys, xs) -> tuple:
     """(budget, nests): a revolve byte budget, nesting where some budget between revolve's
     smallest peak and the "memory" plan's does (on these small graphs it does for first-order
     chains, not for graphs that hold a backward pass)."""
-    single = api._prepare(ys, xs, None, "memory", {}).plan.predicted_peak_bytes
+    single = api.prepare(ys, xs, None, "memory", {}).plan.predicted_peak_bytes
     try:
-        api._prepare(ys, xs, None, mg.Budget(bytes=1, solver="revolve"), {})
+        api.prepare(ys, xs, None, mg.Budget(bytes=1, solver="revolve"), {})
     except mg.InfeasibleBudgetError as exc:
         smallest = exc.min_feasible_bytes
     else:
@@ -136,12 +137,12 @@ def _revolve_budget(ys, xs) -> tuple:
 def _forced_nested_gradients(ys, xs, name):
     """Gradients under a balanced 2-level plan, through the rewrite itself
     (tests/test_multilevel.py's recipe: no budget makes the solver nest on every graph)."""
-    prepared = api._prepare(ys, xs, None, "memory", {}, select=False)
+    prepared = api.prepare(ys, xs, None, "memory", {}, select=False)
     ctx = prepared.selection
     candidates, must_keep, not_replayed = ctx.node_sets()
     plan = multilevel.balanced_plan(ctx.model, must_keep, candidates, 2, not_replayed)
     assert plan.levels == 2, f"{name}: no 2-level plan on {len(ctx.region)} ops"
-    prepared.scope = name
+    prepared.arguments = dataclasses.replace(prepared.arguments, scope=name)
     return api.run_plan(prepared, plan)
 
 
@@ -167,7 +168,7 @@ def _budget_gradients(ys, xs, budget, name):
     try:
         return mg.gradients(ys, xs, checkpoints=budget, name=name)
     except mg.InfeasibleBudgetError as exc:
-        memory_peak = api._prepare(ys, xs, None, "memory", {}).plan.predicted_peak_bytes
+        memory_peak = api.prepare(ys, xs, None, "memory", {}).plan.predicted_peak_bytes
         raised = mg.Budget(bytes=max(exc.min_feasible_bytes, memory_peak),
                            solver=getattr(budget, "solver", budgets.DEFAULT_SOLVER))
         return mg.gradients(ys, xs, checkpoints=raised, name=name)

@@ -125,6 +125,19 @@ def test_harness_reports_each_kind_of_difference():
                                         None, None)[0]
         assert "fell back" in cases.compare(sc, "tf2", reference, fell_back, ref_values,
                                              ref_values, None, None)[0]
+        tf_error = {"type": "TypeError", "mro": ["TypeError", "Exception"],
+                    "message": "Gradients of complex tensors must set grad_ys", "where": ""}
+        raised = cases.Outcome(error=tf_error)
+        quoted = cases.Outcome(error={
+            "type": "InvalidTypeError", "mro": ["InvalidTypeError", "TypeError"],
+            "message": "grad_ys[0]: ... TensorFlow's message: " + tf_error["message"],
+            "where": ""})
+        unquoted = cases.Outcome(error=dict(quoted.error, message="grad_ys[0]: complex"))
+        for ours in (quoted, unquoted):
+            ours.events = [{"outcome": "raised"}]
+        assert cases.compare(sc, "tf2", raised, quoted, None, None, None, None) == []
+        assert "does not say it" in cases.compare(sc, "tf2", raised, unquoted, None, None,
+                                                   None, None)[0]
         v1_cf = cases.Scenario("probe", lambda env: None, "self-test", control_flow=True)
         tf1_fallback = _outcome(reference.grads, [{"outcome": "fell_back",
                                                    "error": "UnsupportedGraphError"}])

@@ -11,6 +11,8 @@ import memsave_grads as mg
 from keras_support import (FLAVOURS, KERAS, bn_dropout_mlp, clear_session,  # noqa: F401
                            fit_step_peaks_mib, fresh_keras)
 from memsave_grads import keras as keras_lib
+from memsave_grads.keras import batches as keras_batches
+from memsave_grads.keras import step as keras_step
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads.core import budgets
 
@@ -167,7 +169,7 @@ def test_fit_s_batch_size_is_read_without_drawing_from_the_data(flavour):
     x, y = np.zeros((100, 8), "float32"), np.zeros((100, 1), "float32")
 
     def read(*args, **kwargs):
-        return keras_lib._fit_batch_size(fit, model, args, kwargs)  # pylint: disable=protected-access
+        return keras_batches.fit_batch_size(fit, model, args, kwargs)
 
     assert read(x, y, batch_size=16) == 16
     assert read(x, y, 16) == 16                       # positional
@@ -229,7 +231,7 @@ def test_the_planned_batch_size_comes_from_the_call_then_a_calibration(caplog):
     asked = mg.Budget(fraction=0.5)
     calibrated = mg.Budget(fraction=0.4, calibration=budgets.Calibration(
         asked=asked, target_bytes=1, plain_measured_bytes=2, tries=(), batch_size=64))
-    planned = keras_lib._planned_batch_size  # pylint: disable=protected-access
+    planned = keras_step.planned_batch_size
     assert planned(model, unknown, calibrated, 32) == 32
     assert planned(model, unknown, calibrated, None) == 64
     assert planned(model, known, calibrated, 32) is None  # nothing to assume

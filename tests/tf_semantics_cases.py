@@ -1,7 +1,8 @@
 """Scenarios and runner of the TensorFlow-semantics parity suite (tests/test_tf_semantics.py).
 
 Each scenario mirrors one behaviour that TensorFlow's own gradient tests check
-(``gradients_test.py``, ``cond_v2_test.py``, ``while_v2_test.py``, ``custom_gradient_test.py``),
+(``gradients_test.py``, ``cond_v2_test.py``, ``while_v2_test.py``, ``custom_gradient_test.py``,
+parallel_for's ``gradients_test.py``),
 written afresh around a small ``tanh(matmul)`` chain so that every strategy has something to
 keep. A scenario builds its forward pass once and returns ``compute``, a function that builds
 the gradients through the *public* names (``tf.gradients``, ``tf.compat.v1.gradients``,
@@ -11,7 +12,8 @@ graph, evaluated in one step (stateful ops draw once); in ``tf.function``, one f
 strategy (a traced function cannot be extended later; random ops carry op seeds). It compares
 ``None``-ness, ``IndexedSlices``-ness, dtype, values (``conftest.assert_grads_close``; float64
 at rtol 1e-10) and, where the scenario asks, each gradient op's ``colocation_groups()``. Where
-the reference raises, the patched call must raise the same exception type. A spy on
+the reference raises, the patched call must raise the same exception type, with TensorFlow's
+sentence in its message (design note "TensorFlow's error sentences"). A spy on
 ``api.gradients`` and ``stitch.backprop`` records whether each call rewrote the graph or fell
 back to ``tf.gradients``.
 
@@ -43,6 +45,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from tensorflow.python.framework import function as framework_function  # noqa: E402
 from tensorflow.python.ops import list_ops  # noqa: E402
+from tensorflow.python.ops.parallel_for import gradients as pfor_gradients  # noqa: E402
 
 MODES = ("tf2", "v1", "v1_cfv2")
 CONTAINERS = ("graph", "function")
@@ -934,6 +937,65 @@ def tensor_list_grad_ys(env):
     return lambda: tf.gradients(tl, [x] + ws, grad_ys=grad_tl)
 
 
+# --- parallel_for: jacobian and batch_jacobian ----------------------------------------------
+# pfor vectorizes the gradient graph, copies of forward ops included: a copied While's TensorList
+# outputs need their handle data (element dtype and shape) there, as the originals have it.
+
+
+@scenario("parallel_for gradients_test (test_jacobian_fixed_shape, test_fc_jacobian): pfor "
+          "jacobian of a chain w.r.t. its input and a weight")
+def pfor_jacobian_of_chain(env):
+    x = env.input()
+    h, ws = env.chain(x, 3, 10, "trunk")
+    return lambda: pfor_gradients.jacobian(h, [x, ws[0]])
+
+
+@scenario("parallel_for gradients_test.test_jacobian_scan_shape: pfor jacobian of a tf.scan's "
+          "states (the gradient of a recomputed While is vectorized)", control_flow=True)
+def pfor_jacobian_of_scan(env):
+    x = env.input(batch=2)
+    h, ws = env.chain(x, 2, 10, "a")
+    w = env.constant((WIDTH, WIDTH), 30, name="scan_w")
+    offsets = env.constant((3,), 20, name="offsets")
+    states = tf.scan(lambda a, e: tf.tanh(tf.matmul(a, w) + e), offsets, initializer=h)
+    y = tf.tanh(states * 1.5)
+    return lambda: pfor_gradients.jacobian(y, [x, w, ws[0]])
+
+
+@scenario("parallel_for gradients_test.test_dynamic_lstm_batch_jacobian: pfor batch_jacobian "
+          "of an LSTM's final state, stepped by a while loop with per-example sequence lengths",
+          control_flow=True)
+def pfor_batch_jacobian_of_lstm_loop(env):
+    x = env.input()
+    h, _ = env.chain(x, 2, 10, "a")
+    sequence = tf.stack([h, tf.sin(h), h * h], axis=1)  # [batch, time, width]
+    lengths = tf.constant([3, 1, 2, 0][:BATCH])
+    kernel = env.constant((2 * WIDTH, 4 * WIDTH), 40, name="lstm_kernel")
+
+    def step(t, cell, out):
+        gates = tf.matmul(tf.concat([tf.gather(sequence, t, axis=1), out], axis=1), kernel)
+        i, f, o, g = tf.split(gates, 4, axis=1)
+        new_cell = tf.sigmoid(f + 1.0) * cell + tf.sigmoid(i) * tf.tanh(g)
+        new_out = tf.sigmoid(o) * tf.tanh(new_cell)
+        running = (t < lengths)[:, None]  # finished sequences keep their state
+        return t + 1, tf.where(running, new_cell, cell), tf.where(running, new_out, out)
+
+    zeros = tf.zeros([BATCH, WIDTH])
+    _, cell, _ = tf.while_loop(lambda t, *_: t < 3, step, [tf.constant(0), zeros, zeros])
+    y, _ = env.chain(cell, 1, 50, "b")
+    return lambda: [pfor_gradients.batch_jacobian(y, x)]
+
+
+@scenario("parallel_for gradients_test (use_pfor=False): jacobian rows taken by gradients "
+          "calls inside a while loop body. The body's only op between the captured chain and "
+          "its y is a gather: nothing to keep there", control_flow=True,
+          also_allowed_fallbacks=(NOTHING_TO_REWRITE_FALLBACK, PATTERN_OFF_PATH_FALLBACK))
+def while_loop_jacobian(env):
+    x = env.input()
+    h, ws = env.chain(x, 3, 10, "trunk")
+    return lambda: pfor_gradients.jacobian(h, [x, ws[1]], use_pfor=False)
+
+
 # --- second order -----------------------------------------------------------------------------
 
 
@@ -1017,7 +1079,7 @@ class CallLog:
 def _exception_record(exc: BaseException) -> dict:
     return {"type": type(exc).__name__,
             "mro": [c.__name__ for c in type(exc).__mro__],
-            "message": str(exc)[:400],
+            "message": str(exc),  # whole: ours quotes TensorFlow's sentence after our own
             "where": traceback.format_exception(type(exc), exc, exc.__traceback__)[-2][:400]}
 
 
@@ -1294,6 +1356,10 @@ def compare(sc: Scenario, mode: str, reference: Outcome, ours: Outcome,
         elif reference.error["type"] not in ours.error["mro"]:
             problems.append(f"tf.gradients raised {reference.error['type']}, ours raised "
                             f"{ours.error['type']}: {ours.error['message']}")
+        elif reference.error["message"] not in ours.error["message"]:
+            # Code matching TensorFlow's text (its own tests' assertRaisesRegex) must match ours.
+            problems.append(f"tf.gradients raised \"{reference.error['message'][:200]}\", ours "
+                            f"does not say it: {ours.error['message'][:300]}")
         return problems
     if ours.error is not None:
         # The spy saw the library's own exception before tf.function's tracing wrapped it.

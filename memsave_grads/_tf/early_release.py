@@ -1,9 +1,10 @@
 """Order variable updates into the backward pass so that each gradient dies early.
 
-Used by :func:`memsave_grads.optimize.minimize` (design note "early release" in
-docs/design.md). Like ``rewrite.py`` it adds control inputs to operations, which is private
-TensorFlow API (``Operation._add_control_inputs``); it only ever adds them to operations
-created by the current ``minimize`` call, never to the user's forward graph. The graph walks
+Used by :func:`memsave_grads.optimize.minimize` and the Keras step of ``wrap_model``, both
+through :func:`order_updates_early` (design note "early release" in docs/design.md). Like
+``rewrite.py`` it adds control inputs to operations, which is private TensorFlow API
+(``Operation._add_control_inputs``); it only ever adds them to operations created by the
+current training step's gradients and updates, never to the user's forward graph. The graph walks
 are ``_tf.graph.walk``; "newer than ``floor``" compares creation indices
 (``_tf.graph.creation_index``): a ``floor`` is :func:`last_op_id` taken before a phase
 (backprop, ``apply_gradients``) adds its ops.
@@ -18,6 +19,7 @@ import tensorflow as tf
 from absl import logging
 
 from memsave_grads._tf import graph as tf_graph
+from memsave_grads._tf import ordering
 from memsave_grads.core import op_types
 
 
@@ -273,3 +275,66 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int,
             _add_control_inputs(root, update.producers)
             stats["wait_for_gradient"] += 1
     return stats
+
+
+def order_updates_early(loss: tf.Tensor, var_list: Sequence, handles: Sequence, grads: Sequence,
+                        grad_floor: int, apply_floor: int, optimizer_name: str,
+                        caller: str, release_order: bool = True) -> None:
+    """Add the early-release edges to one training step (design note "early release"):
+    ``grads`` of ``loss`` were built after op ``grad_floor``, the optimizer's update ops after
+    ``apply_floor``, in the current graph. Shared by ``memsave_grads.minimize`` and Keras'
+    ``wrap_model``: with ``release_gradients_early=True`` all of them, otherwise
+    (``release_order=False``) only the edges that keep each update's gradient-free terms and
+    writes from running early (:func:`order_updates`)."""
+    step_ops = _step_ancestors(loss)
+    updates = []
+    for v, h, g in zip(var_list, handles, grads):
+        if g is None:
+            continue
+        fed, every = update_ops(g, h, apply_floor)
+        updates.append(VariableUpdate(
+            name=v.name, handle=h, grad=g,
+            producers=gradient_producers(g, grad_floor),
+            fed_ops=fed, update_ops=every,
+            readers=[r for r in value_readers(h, apply_floor)
+                     if tf_graph.creation_index(r) > grad_floor or r in step_ops]))
+    unordered = [u.name for u in updates if not u.fed_ops]
+    if unordered:
+        logging.warning("%s: apply_gradients of %s built no op reading the gradient or the "
+                        "variable of %s; those updates are left to dataflow.", caller,
+                        optimizer_name, unordered[:3])
+        updates = [u for u in updates if u.fed_ops]
+    # Why control dependencies at all: dataflow alone already runs an update as soon as its
+    # gradient exists, but nothing stops the backward pass from running ahead of the updates,
+    # so several weight gradients are alive at once. Measured on a 6 x 2048^2 MLP
+    # (docs/minimize.md): optimizer.minimize peaks at 2-3 gradients (GATE_OP) or all 6
+    # (GATE_GRAPH), gradients + apply_gradients at 3-4; with these edges, at 1. And a write
+    # racing a backward op that still reads the forward value of the weight makes TensorFlow
+    # copy the whole weight (copy-on-write), one more weight of memory.
+    # Backprop completes the gradients in this order (the op computing the last piece of a
+    # gradient is created later for layers nearer the input).
+    updates.sort(key=lambda u: max(map(tf_graph.creation_index, u.producers), default=0))
+    mark_early_roots(updates)
+    stats = order_updates(updates, grad_floor, release_order)
+    if ordering.xla_in_effect(tf.compat.v1.get_default_graph()):
+        # The release order is control edges only: a gradient cannot be made to wait for an
+        # earlier variable's *update* through dataflow without reading the updated variable,
+        # which would change the values.
+        ordering.warn_once(
+            f"{caller} under XLA",
+            f"{caller}: under XLA (jit_compile) the early-release ordering is control "
+            "dependencies, which XLA drops: updates stay exact, but when each gradient is "
+            "released is up to XLA's scheduler. Recomputation savings are kept (design note "
+            "\"ordering under XLA\").")
+    logging.vlog(1, "%s: %d variables; control edges %s", caller, len(updates), stats)
+    if stats["skipped_cycles"]:
+        logging.info("%s: %d ordering edges would have closed a cycle and were left out (a "
+                     "weight used twice, two gradients from one op such as batch norm's gamma "
+                     "and beta, or gradients combined across variables such as a global-norm "
+                     "clip); those updates run when dataflow allows.", caller,
+                     stats["skipped_cycles"])
+
+
+def _step_ancestors(loss: tf.Tensor) -> set:
+    """Every op the forward pass of ``loss`` depends on (data or control)."""
+    return set(tf_graph.walk([loss.op], tf_graph.dependency_ops))

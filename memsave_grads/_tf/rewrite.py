@@ -15,7 +15,9 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import execute
 from tensorflow.python.ops import control_flow_util_v2
+from tensorflow.python.ops import handle_data_util
 
+from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import ordering
 from memsave_grads.core import op_types
 
@@ -100,12 +102,17 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
                 op.type, inputs, dtypes=[t.dtype for t in op.outputs], name=op.name,
                 attrs=attrs, op_def=op.op_def, compute_device=False)
             new._set_device(op.device)  # pylint: disable=protected-access
+            # A replica is "based on the op that was replicated" (Graph._original_op): error
+            # messages about the copy then trace back to the user's forward op.
+            new._original_op = op  # pylint: disable=protected-access
+            setattr(new, _REPLAYS, op)
             # A call of a tf.function made inside another graph carries its gradient on the op
             # (set from the graph's override map at creation), not in the registry by type;
             # without it TF looks for a python_grad_func the AtomicFunction lacks.
             new._gradient_function = op._gradient_function  # pylint: disable=protected-access
             for original, copied in zip(op.outputs, new.outputs):
                 copied.set_shape(original.shape)
+                _copy_handle_data(original, copied)
             if extra:
                 new._add_control_inputs(extra)  # pylint: disable=protected-access
             for attr in _CACHED_FUNC_GRAPH_ATTRS:
@@ -115,6 +122,40 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
             _record_on_tapes(new)
             copies[op] = new
     return copies
+
+
+#: Attribute of a copy naming the op it replays (its ``_original_op`` says so too, but other
+#: ops have one: TensorFlow's gradient ops name the op they differentiate).
+_REPLAYS = "_memsave_replays"
+
+
+def credit_gradients_to_originals(grads: Sequence, floors: Mapping[tf.Graph, int]) -> None:
+    """Point the gradient ops TensorFlow built for copies (upstream of ``grads``, newer than
+    the creation index ``floors`` gives for their graph) at the forward op each copy replays:
+    tf.gradients names the op it differentiates as a gradient op's ``_original_op``, which
+    error messages follow back to the user's code and TensorFlow's own tests compare with the
+    forward op."""
+    seeds = [t.op for g in grads if g is not None
+             for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
+    def newer(op):
+        return tf_graph.creation_index(op) > floors.get(op.graph, float("inf"))
+
+    for op in tf_graph.walk(seeds, tf_graph.input_ops, include=newer):
+        replayed = getattr(op._original_op, _REPLAYS, None)  # pylint: disable=protected-access
+        while replayed is not None:  # a copy of a copy (nested levels): the user's op
+            op._original_op = replayed  # pylint: disable=protected-access
+            replayed = getattr(replayed, _REPLAYS, None)
+
+
+def _copy_handle_data(original: tf.Tensor, copied: tf.Tensor) -> None:
+    """Give a copied variant or resource output its original's handle data (the shape and
+    dtype of what it holds: a While's TensorList accumulators, a variable's value).
+    ``_create_op_internal`` runs the op's C++ shape function, which derives handle data for
+    ops like ``TensorListPushBack`` but not for a ``While`` or a function call, whose Python
+    builders set it; without it pfor (``jacobian``) cannot vectorize the gradient of a copy
+    ("Required handle data not set"). See design note "handle data"."""
+    if copied.dtype in (tf.variant, tf.resource):
+        handle_data_util.copy_handle_data(original, copied)
 
 
 def _record_on_tapes(op: tf.Operation) -> None:

@@ -20,6 +20,7 @@ from memsave_grads._tf import function_ops
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads.core import budgets
 from memsave_grads import errors
+from memsave_grads.core.checkpoints import ParsedCheckpoints
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
@@ -299,21 +300,18 @@ def select_explicit(ctx: SelectionContext, items: Sequence) -> set[tf.Operation]
     return chosen
 
 
-def select(ctx: SelectionContext, checkpoints) -> set[tf.Operation]:
-    """Dispatch on the form of ``checkpoints``: a budget, a strategy name, or a list of
-    tensors/patterns. Its form was checked by ``_validate.check_checkpoints`` (the one owner
-    of those checks and their messages) before any graph was read."""
-    budget = budgets.as_budget(checkpoints)
-    if budget is not None:
-        return select_budget(ctx, budget)
-    if isinstance(checkpoints, str):
-        return STRATEGIES[checkpoints](ctx)
-    if isinstance(checkpoints, tf.Tensor):
-        checkpoints = [checkpoints]
-    return select_explicit(ctx, checkpoints)
+def select(ctx: SelectionContext, checkpoints: ParsedCheckpoints) -> set[tf.Operation]:
+    """Dispatch on the kind of ``checkpoints``: a budget, a strategy name, or a list of
+    tensors/patterns, as ``_validate.check_checkpoints`` (the one owner of those checks and
+    their messages) parsed it before any graph was read."""
+    if checkpoints.budget is not None:
+        return select_budget(ctx, checkpoints.budget)
+    if checkpoints.strategy is not None:
+        return STRATEGIES[checkpoints.strategy](ctx)
+    return select_explicit(ctx, checkpoints.items)
 
 
-def make_plan(ctx: SelectionContext, checkpoints) -> plan_lib.Plan:
+def make_plan(ctx: SelectionContext, checkpoints: ParsedCheckpoints) -> plan_lib.Plan:
     """The plan ``checkpoints`` makes on ``ctx``: what the strategy chose (or the planner's
     plan), plus the ops kept anyway, closed for single ownership (design note "single owner":
     ``graph.close_segments``), in node numbers of ``ctx.model``."""
@@ -321,7 +319,7 @@ def make_plan(ctx: SelectionContext, checkpoints) -> plan_lib.Plan:
     _, must_keep, _ = ctx.node_sets()
     if isinstance(chosen, plan_lib.Plan):  # planners close their plans themselves
         return chosen.replace(chosen=chosen.kept - set(must_keep))
-    return keep_ops(ctx, chosen, _planner_name(checkpoints))
+    return keep_ops(ctx, chosen, checkpoints.planner)
 
 
 def keep_ops(ctx: SelectionContext, ops: Iterable[tf.Operation], planner: str) -> plan_lib.Plan:
@@ -331,10 +329,6 @@ def keep_ops(ctx: SelectionContext, ops: Iterable[tf.Operation], planner: str) -
     chosen = {index[op] for op in ops if op in index}
     kept = graph_lib.close_segments(ctx.model, chosen | set(must_keep))
     return plan_lib.Plan(kept, not_replayed, chosen=frozenset(chosen), planner=planner)
-
-
-def _planner_name(checkpoints) -> str:
-    return checkpoints if isinstance(checkpoints, str) else "explicit"
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,7 +380,8 @@ def _predicted_peaks(ctx: SelectionContext, plan: plan_lib.Plan,
     return peak, memory_model.plain_peak_bytes(plain_model, workspace), scratch
 
 
-def decide_schedule(ctx: SelectionContext, checkpoints, plan: plan_lib.Plan) -> ScheduleDecision:
+def decide_schedule(ctx: SelectionContext, checkpoints: ParsedCheckpoints,
+                    plan: plan_lib.Plan) -> ScheduleDecision:
     """The never-worse rule (docs/design.md, note "never worse"); gradients() warns once
     where it keeps the plain schedule.
 
@@ -399,7 +394,7 @@ def decide_schedule(ctx: SelectionContext, checkpoints, plan: plan_lib.Plan) -> 
     """
     if not NEVER_WORSE_RULE:
         return ScheduleDecision(True, "the never-worse rule is switched off")
-    explicit = isinstance(checkpoints, (list, tuple, tf.Tensor))
+    explicit = checkpoints.explicit
     _, must_keep, _ = ctx.node_sets()
     if (not explicit and not (plan.chosen or frozenset()) - set(must_keep)
             and not ctx.recomputed_loops):
@@ -440,8 +435,8 @@ def decide_schedule(ctx: SelectionContext, checkpoints, plan: plan_lib.Plan) -> 
         True, f"the plan is predicted to beat tf.gradients ({predicted})", peak, plain, scratch))
 
 
-def _logged(checkpoints, decision: ScheduleDecision) -> ScheduleDecision:
-    logging.vlog(1, "memsave_grads: checkpoints=%s: %s; %s", _describe(checkpoints),
+def _logged(checkpoints: ParsedCheckpoints, decision: ScheduleDecision) -> ScheduleDecision:
+    logging.vlog(1, "memsave_grads: checkpoints=%s: %s; %s", _describe(checkpoints.given),
                  decision.reason, "recomputing as planned" if decision.rewrite else
                  "keeping plain tf.gradients' schedule (the original tf.gradients computes the "
                  "gradients)")

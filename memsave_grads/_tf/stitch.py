@@ -173,9 +173,14 @@ class _Backprop:
         if not targets or not sources:
             return
         readers = list(sources) if readers is None else readers
+        # Every op this call creates is newer than what it differentiates and reads.
+        floors: dict = {}
+        for t in list(targets) + list(readers):
+            floors[t.graph] = max(floors.get(t.graph, 0), tf_graph.creation_index(t.op))
         grads = tf_graph.gradients_stopped_at(
             targets, readers, target_grads, list(readers) + list(self.options.user_stops),
             **self.options.tf_kwargs)
+        rewrite.credit_gradients_to_originals(grads, floors)
         for t, g in zip(sources, grads):
             if g is not None:
                 self.partials[t.ref()].append(g)

@@ -6,8 +6,12 @@ imports them.
 - :mod:`~memsave_grads.bench.graphs`, :mod:`~memsave_grads.bench.keras_graphs`: the graphs
   they build (raw ops; Keras 2);
 - :mod:`~memsave_grads.bench.harness`: one training step per method, measured, and the tables;
+- :mod:`~memsave_grads.bench.xla`: the tf.function table without and with ``jit_compile``
+  (each model in a fresh process), against ``tf.recompute_grad``;
 - :mod:`~memsave_grads.bench.solvers`: the budget solvers compared on small graphs;
-- :mod:`~memsave_grads.bench.commands`: the subcommands, built from the above.
+- :mod:`~memsave_grads.bench.commands`: the command line's subcommands, built from the above
+  and, for ``explain`` and ``fit-limit``, from the library's features
+  (:mod:`memsave_grads._explain`, :mod:`memsave_grads.fit_limit`, which are not benchmarks).
 
-Imports run one way: commands -> harness, solvers -> models -> graphs, keras_graphs.
+Imports run one way: commands -> harness, xla, solvers -> models -> graphs, keras_graphs.
 """

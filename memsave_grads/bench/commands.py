@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import math
 import os
 import time
 
@@ -17,15 +19,17 @@ import tensorflow as tf
 from absl import logging
 
 from memsave_grads import _explain as explain_lib
+from memsave_grads import _tables as tables
 from memsave_grads import errors
+from memsave_grads import fit_limit
 from memsave_grads import keras as mg_keras
 from memsave_grads import measure
 from memsave_grads.bench import control_flow as bench_control_flow
-from memsave_grads.bench import fit_limit
 from memsave_grads.bench import harness
 from memsave_grads.bench import models
 from memsave_grads.bench import solvers as bench_solvers
 from memsave_grads.bench import xla as bench_xla
+from memsave_grads.core import budgets as core_budgets
 from memsave_grads.core import memory_model
 from memsave_grads.core import solvers as core_solvers
 
@@ -35,8 +39,20 @@ def _environment_line() -> str:
             f"{os.cpu_count()} CPU cores")
 
 
-def _write(args: argparse.Namespace, text: str, title: str) -> None:
-    """Print ``text``; with ``--output``, also write it under ``title`` to that file."""
+def _write(args: argparse.Namespace, text: str, title: str, data: dict | None = None) -> None:
+    """Print ``text``; with ``--output``, also write it under ``title`` to that file. With
+    ``--format json``, ``data`` instead (made plain by :func:`tables.plain_data`), with the
+    date and the environment, printed and written as one JSON object."""
+    if getattr(args, "format", "markdown") == "json":
+        text = json.dumps({"title": title, "date": datetime.date.today().isoformat(),
+                           "environment": _environment_line(),
+                           **tables.plain_data(data or {})}, indent=2)
+        print(text)
+        if getattr(args, "output", None):
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+            logging.info("wrote %s", args.output)
+        return
     print(text)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
@@ -52,7 +68,7 @@ def _budget_methods(fractions) -> list[harness.Method]:
 
 
 def demo(args: argparse.Namespace) -> int:
-    """``demo``: the residual MLP, three methods, one table."""
+    """``demo``: the residual MLP, tf.gradients against "memory", one table."""
     spec = models.residual_mlp(args.depth, args.width, args.batch)
     activation_mib = args.batch * args.width * 4 / measure.MIB
     weights_mib = args.depth * args.width * args.width * 4 / measure.MIB
@@ -60,14 +76,10 @@ def demo(args: argparse.Namespace) -> int:
           f"{weights_mib:.3g} MiB of weights; one SGD step per run, median of "
           f"{args.repeats}. {_environment_line()}.\n", flush=True)
     start = time.perf_counter()
-    results = harness.measure_model(spec, repeats=args.repeats)
+    results = harness.measure_model(spec, harness.DEMO_METHODS, repeats=args.repeats)
     logging.info("demo measured in %.1f s", time.perf_counter() - start)
     print(harness.demo_table(results))
     print()
-    for method in harness.DEFAULT_METHODS[1:]:
-        line = harness.summary_line(results, method)
-        if line and method is not harness.MEMORY:
-            print(line)
     line = harness.summary_line(results, harness.MEMORY)
     print(line or f"{harness.MEMORY.label}: n/a ({results[1].skipped or results[1].failed})")
     return 0
@@ -77,36 +89,34 @@ def benchmark(args: argparse.Namespace) -> int:
     """``benchmark``: every model family, then the XLA table (``--xla``); returns 1 if a
     model failed unexpectedly."""
     start = time.perf_counter()
-    sections, status = [], 0
+    sections, status, data = [], 0, {"repeats": args.repeats}
     control_flow_only = args.control_flow == "only"
     if args.xla != "only" and not control_flow_only:
-        table, status = _graph_benchmark(args)
-        sections.append(table + "\n\n" + harness.TABLE_NOTES)
+        results, status = _graph_benchmark(args)
+        data["graph"] = results
+        sections.append(harness.benchmark_table(results) + "\n\n" + harness.TABLE_NOTES)
     if args.xla != "without" and not control_flow_only:
-        table, xla_status = _xla_benchmark(args)
+        results, xla_status = _xla_benchmark(args)
+        data["xla"] = results
         status = max(status, xla_status)
-        if table:
-            sections.append("## Under XLA\n\n" + table + "\n\n" + bench_xla.TABLE_NOTES)
+        if results:
+            sections.append("## Under XLA\n\n" + bench_xla.table(results) + "\n\n" +
+                            bench_xla.TABLE_NOTES)
     if args.control_flow != "without":
-        table, cf_status = _control_flow_benchmark()
+        results, cf_status = _control_flow_benchmark()
+        data["control_flow"] = results
         status = max(status, cf_status)
-        sections.append("## Control flow and calls\n\n" + table + "\n\n"
-                        + bench_control_flow.TABLE_NOTES)
+        sections.append("## Control flow and calls\n\n" + bench_control_flow.table(results)
+                        + "\n\n" + bench_control_flow.TABLE_NOTES)
     logging.info("benchmark measured in %.1f s", time.perf_counter() - start)
-    text = "\n\n".join(sections)
-    print(text)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write("# memsave_grads benchmark\n\n")
-            f.write(f"{datetime.date.today().isoformat()}, {_environment_line()}, "
-                    f"median of {args.repeats} steps.\n\n")
-            f.write(text + "\n")
-        logging.info("wrote %s", args.output)
+    _write(args, "\n\n".join(sections), f"memsave_grads benchmark, median of {args.repeats} "
+           "steps", data)
     return status
 
 
-def _graph_benchmark(args: argparse.Namespace) -> tuple[str, int]:
-    """The v1-graph table of :func:`models.benchmark_models`."""
+def _graph_benchmark(args: argparse.Namespace) -> tuple[list, int]:
+    """The results of :func:`models.benchmark_models` in v1 graphs, one list per model, and
+    the exit status."""
     specs = models.select(models.benchmark_models(), args.models)
     all_results = []
     status = 0
@@ -124,29 +134,30 @@ def _graph_benchmark(args: argparse.Namespace) -> tuple[str, int]:
                                           for m in harness.DEFAULT_METHODS[1:])))
         logging.info("[%d/%d] %s done in %.1f s. %s", i, len(specs), spec.name,
                      time.perf_counter() - model_start, summary or "")
-    return harness.benchmark_table(all_results), status
+    return all_results, status
 
 
-def _xla_benchmark(args: argparse.Namespace) -> tuple[str, int]:
-    """The tf.function table of :func:`models.xla_models`, without and with jit_compile
-    (empty when ``--models`` names none of them)."""
+def _xla_benchmark(args: argparse.Namespace) -> tuple[list, int]:
+    """The results of :func:`models.xla_models` in tf.function, without and with jit_compile
+    (none when ``--models`` names none of them), one list per model, and the exit status."""
     specs = models.select(models.xla_models(), args.models)
     all_results = []
     for i, spec in enumerate(specs, 1):
         logging.info("[XLA %d/%d] %s ...", i, len(specs), spec.description)
         all_results.append(bench_xla.measure_model(spec, repeats=args.repeats))
     failed = any(r.failed for results in all_results for r in results)
-    return (bench_xla.table(all_results) if all_results else ""), int(failed)
+    return all_results, int(failed)
 
 
-def _control_flow_benchmark() -> tuple[str, int]:
-    """The table of :mod:`bench.control_flow`: five forward passes, two methods."""
+def _control_flow_benchmark() -> tuple[list, int]:
+    """The results of :mod:`bench.control_flow` (five forward passes, two methods) and the exit
+    status."""
     shape = bench_control_flow.Shape()
     logging.info("[control flow] %d blocks, width %d, batch %d (%.3g MiB per activation), "
                  "a fresh process per cell ...", shape.depth, shape.width, shape.batch,
                  shape.activation_mib)
     results = bench_control_flow.measure_all(shape)
-    return bench_control_flow.table(results), int(any(r.failed for r in results))
+    return results, int(any(r.failed for r in results))
 
 
 def scaling(args: argparse.Namespace) -> int:
@@ -224,13 +235,20 @@ def explain(args: argparse.Namespace) -> int:
                                          sequence_length=args.sequence_length)
         except errors.MemsaveGradsError as e:  # the user's model: what is wrong with it
             raise CommandLineError(str(e)) from None
-        print(f"## {args.model} ({getattr(model, 'name', '')}, batch {args.batch})\n{report}\n")
-        return 0
-    for spec in models.select(models.benchmark_models(), args.models):
-        with tf.Graph().as_default():
-            loss, variables = spec.build()
-            report = explain_lib.explain(loss, variables, checkpoints=args.checkpoints)
-        print(f"## {spec.description}\n{report}\n")
+        reports = [(f"{args.model} ({getattr(model, 'name', '')}, batch {args.batch})", report)]
+    else:
+        reports = []
+        for spec in models.select(models.benchmark_models(), args.models):
+            with tf.Graph().as_default():
+                loss, variables = spec.build()
+                reports.append((spec.description, explain_lib.explain(
+                    loss, variables, checkpoints=args.checkpoints)))
+    if args.format == "json":
+        _write(args, "", "memsave_grads explain", {"plans": [
+            {"model": name, **report.as_dict()} for name, report in reports]})
+    else:
+        for name, report in reports:
+            print(f"## {name}\n{report}\n")
     return 0
 
 
@@ -305,10 +323,11 @@ class CommandLineError(errors.InvalidArgumentError):
     prints it as a usage error, exit status 2. Other errors keep their tracebacks."""
 
 
-def _check_fit_limit_model(args: argparse.Namespace) -> None:
-    """The model argument built once, before any try: a model that cannot train, or a method
-    it cannot have, is our error (the command line prints it as a usage error), not every
-    method's failure in the table."""
+def _check_fit_limit_model(args: argparse.Namespace) -> dict | None:
+    """The model argument built once, before any try: a model that cannot train, a method it
+    cannot have, or weights and optimizer state that alone fill the limit, is our error (the
+    command line prints it as a usage error), not every method's failure in the table. Returns
+    what :func:`fit_limit.check` says was built (None: it could not tell)."""
     start_batch = args.start if args.vary == "batch" else args.batch
     logging.info("%s: building it once to check it ...", args.model)
     try:
@@ -333,6 +352,25 @@ def _check_fit_limit_model(args: argparse.Namespace) -> None:
         raise CommandLineError(
             f"argument --keras-remat: keras.RematScope is Keras 3's; {args.model} is a "
             f"{built['keras']} model, which it would leave as it is. Leave the flag out.")
+    if built is not None and "weights_bytes" in built:
+        _check_limit_above_state(args, built["weights_bytes"], built["optimizer_state_bytes"])
+    return built
+
+
+def _check_limit_above_state(args: argparse.Namespace, weights_bytes: int,
+                             optimizer_state_bytes: int) -> None:
+    """No batch trains where the weights and the optimizer's state alone fill the limit:
+    refused at once, rather than bisected down to a batch of one for every method."""
+    state_bytes = weights_bytes + optimizer_state_bytes
+    if state_bytes >= args.limit_mib * measure.MIB:
+        size = core_budgets.format_bytes
+        raise CommandLineError(
+            f"argument --limit-mib: {args.model}'s weights ({size(weights_bytes)}) and its "
+            f"optimizer's state ({size(optimizer_state_bytes)}) alone take "
+            f"{size(state_bytes)}, more than the limit of {args.limit_mib} MiB, so no "
+            "batch can train under it whatever the strategy: memsave_grads saves "
+            "activations, not weights. Raise --limit-mib well above "
+            f"{math.ceil(state_bytes / measure.MIB)}.")
 
 
 def fit_limit_command(args: argparse.Namespace) -> int:
@@ -343,7 +381,7 @@ def fit_limit_command(args: argparse.Namespace) -> int:
     if args.keras_remat:
         methods.append(fit_limit.KERAS_REMAT)
     dimension = "batch" if args.vary == "batch" else "sequence length"
-    _check_fit_limit_model(args)
+    built = _check_fit_limit_model(args)
     searches = []
     for method in methods:
         logging.info("%s: searching from %s %d ...", method, dimension, args.start)
@@ -366,19 +404,48 @@ def fit_limit_command(args: argparse.Namespace) -> int:
         searches.append(fit_limit.search(
             method, try_size, args.start, args.max,
             on_attempt=lambda a: logging.info("%s", fit_limit.progress_line(a, dimension))))
+    timings = _time_fit_limit_methods(args, searches)
     fixed = f", batch {args.batch}" if args.vary == "sequence" else ""
     every = f", a size fits if all {args.tries} tries fit" if args.tries > 1 else ""
     reserved = ", the limit reserved as one region" if args.reserve_limit else ""
     title = f"{args.model}: limit {args.limit_mib} MiB{fixed}{every}{reserved}"
-    _write(args, f"{title}\n\n{fit_limit.table(searches, dimension, args.limit_mib)}\n\n"
-           f"{fit_limit.TABLE_NOTES}", "How much larger: memsave_grads fit-limit")
+    baseline = fit_limit.baseline_name(built["kind"] if built else None)
+    table = fit_limit.table(searches, dimension, args.limit_mib, timings, baseline)
+    _write(args, f"{title}\n\n{table}\n\n{fit_limit.TABLE_NOTES}",
+           "How much larger: memsave_grads fit-limit", {
+               "model": args.model, "limit_mib": args.limit_mib, "dimension": dimension,
+               "reference": baseline, "tries": args.tries, "reserve_limit": args.reserve_limit,
+               "methods": [fit_limit.search_record(s, searches) for s in searches],
+               "timings": timings})
     if args.plot:
         fit_limit.plot(searches, dimension, args.limit_mib, args.plot, title)
         logging.info("wrote %s", args.plot)
+    if all(s.largest is None for s in searches):
+        smallest = min((a.size for s in searches for a in s.attempts), default=args.start)
+        logging.error("nothing fit under %d MiB, not even %s %d, with any method",
+                      args.limit_mib, dimension, smallest)
+        return 1
     # keras.RematScope failing is one of the answers (it does under fit on TensorFlow), not
     # the command's.
     return 0 if all(s.largest is not None or not s.failure for s in searches
                     if s.method != fit_limit.KERAS_REMAT) else 1
+
+
+def _time_fit_limit_methods(args: argparse.Namespace, searches) -> list:
+    """The methods that fit timed against the reference, each at its largest size, in one
+    process (:func:`fit_limit.time_against`); none where the reference fit nothing."""
+    reference = next((s.largest for s in searches if s.method == fit_limit.PLAIN), None)
+    others = [s.largest for s in searches
+              if s.method != fit_limit.PLAIN and s.largest is not None]
+    if reference is None or not others:
+        return []
+    logging.info("timing %d method(s) against the reference in one process ...", len(others))
+    timings, why = fit_limit.time_against(
+        args.model, reference, others,
+        sequence_length_fixed=args.batch if args.vary == "sequence" else None)
+    if why:
+        logging.warning("the methods could not be timed against each other: %s", why)
+    return timings
 
 
 #: Subcommand name -> its function (the parser in memsave_grads.cli has one subparser each).

@@ -24,9 +24,9 @@ from absl import logging
 
 from memsave_grads import _explain as explain_lib
 from memsave_grads import api
+from memsave_grads import _child as child
+from memsave_grads import _tables as tables
 from memsave_grads import measure as measure_lib
-from memsave_grads.bench import child
-from memsave_grads.bench import tables
 from memsave_grads.bench.harness import PEAK_RUNS
 from memsave_grads.patching import original_gradients
 

@@ -36,7 +36,7 @@ from memsave_grads._tf import graph as tf_graph
 from memsave_grads import errors
 from memsave_grads import _explain as explain_lib
 from memsave_grads import measure
-from memsave_grads.bench import tables
+from memsave_grads import _tables as tables
 from memsave_grads.bench.models import ModelSpec
 from memsave_grads.core import budgets
 from memsave_grads.core import calibration as core_calibration
@@ -70,6 +70,9 @@ MEMORY = Method("memsave_grads 'memory'", "memory")
 SPEED = Method("memsave_grads 'speed'", "speed")
 #: The methods the command line compares; the reference comes first.
 DEFAULT_METHODS = (REFERENCE, MEMORY, SPEED)
+#: The demo's: the default strategy against tf.gradients ("speed" keeps matmul outputs, which
+#: on the demo's MLP is everything tf.gradients keeps: it would run plain tf.gradients).
+DEMO_METHODS = (REFERENCE, MEMORY)
 
 
 def measure_build_seconds(spec: ModelSpec, checkpoints: str = "memory",
@@ -103,6 +106,9 @@ class Result:
     """One row: a model trained with one method.
 
     ``skipped`` says why a strategy does not apply (n/a); ``failed`` names an unexpected error.
+    ``rewritten``: whether memsave_grads rewrote the gradients (False: its never-worse rule
+    handed them to plain tf.gradients, so the row measures tf.gradients again; None: the
+    reference, or not built).
     """
 
     model: str
@@ -115,6 +121,7 @@ class Result:
     predicted_peak_bytes: int | None = None
     skipped: str | None = None
     failed: str | None = None
+    rewritten: bool | None = None
 
 
 def _reachable_ops(fetch: tf.Operation) -> int:
@@ -193,6 +200,7 @@ def measure_model(spec: ModelSpec, methods: Sequence[Method] = DEFAULT_METHODS,
         for i, (method, result) in enumerate(zip(methods, results)):
             result.predicted_peak_bytes = _predicted_peak(method, loss, variables)
             start = time.perf_counter()
+            ops_before = len(graph.get_operations())
             try:
                 grads = method.gradients(loss, variables)
             except _NOT_APPLICABLE as e:  # nothing to gain, cannot rewrite, or budget too small
@@ -205,6 +213,9 @@ def measure_model(spec: ModelSpec, methods: Sequence[Method] = DEFAULT_METHODS,
                 name=f"train_step_{i}")
             grads_of[i] = grads
             result.build_seconds = time.perf_counter() - start
+            if not method.is_reference:  # the rewrite names its ops under "<scope>_memsave"
+                result.rewritten = any("_memsave" in op.name
+                                       for op in graph.get_operations()[ops_before:])
             result.graph_ops = _reachable_ops(steps[i])
         errors_of = {}
         if 0 in grads_of:
@@ -305,9 +316,13 @@ def _cells(result: Result, reference: Result) -> list[str]:
     if result.failed is not None:
         reason = result.failed.replace("|", "/")
         return [f"error ({reason})", "-", "-", "-", "-", "-"]
+    # A row that ran plain tf.gradients again differs from the reference's by noise alone.
+    plain_again = result.rewritten is False
     return [tables.number(result.peak_bytes / measure.MIB), format_prediction(result),
+            "1.00x (tf.gradients ran)" if plain_again else
             format_peak_ratio(reference.peak_bytes, result.peak_bytes),
             tables.number(result.median_seconds * 1e3),
+            "-" if plain_again else
             format_time_ratio(reference.median_seconds, result.median_seconds),
             "-" if result.method.is_reference else _format_error(result.max_rel_error)]
 
@@ -369,9 +384,13 @@ TABLE_NOTES = (
 
 
 def summary_line(results: Sequence[Result], method: Method) -> str | None:
-    """``"memsave_grads 'memory': 4.1x less peak memory at 1.3x step time"`` (None if n/a)."""
+    """``"memsave_grads 'memory': 4.1x less peak memory at 1.3x step time"``, or that the
+    method ran plain tf.gradients (None if n/a)."""
     reference = results[0]
     for r in results:
+        if r.method == method and r.rewritten is False:
+            return (f"{method.label}: saves nothing on this network (its plan is not predicted "
+                    "to beat tf.gradients), so tf.gradients ran")
         if (r.method == method and r.peak_bytes and reference.peak_bytes
                 and r.median_seconds and reference.median_seconds):
             ratio = reference.peak_bytes / r.peak_bytes

@@ -112,8 +112,7 @@ SMALL_GRAPHS: dict[str, Callable] = {
 def problem_for(loss, variables) -> problem_lib.BudgetProblem:
     """The budget problem ``gradients(loss, variables, checkpoints=Budget(...))`` would solve
     (budget 0: set it with ``with_budget``)."""
-    prepared = api._prepare(loss, variables, None, [],  # pylint: disable=protected-access
-                            {}, select=False)
+    prepared = api.prepare(loss, variables, None, [], {}, select=False)
     ctx = prepared.selection
     candidates, must_keep, not_replayed = ctx.node_sets()
     return problem_lib.BudgetProblem(ctx.model, 0, frozenset(must_keep), frozenset(candidates),

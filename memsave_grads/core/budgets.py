@@ -42,8 +42,31 @@ CALIBRATED_WORD = "calibrated"
 _AMOUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
 
 
-def format_bytes(nbytes: float) -> str:
-    """``1.5 GiB``, ``300 MiB``, ``12 KiB``: for messages and tables."""
+#: The styles of :func:`format_bytes`.
+BYTE_STYLES = ("auto", "MiB", "report")
+
+
+def format_bytes(nbytes: float | None, style: str = "auto") -> str:
+    """Bytes for people, the package's one formatter of them. ``style``:
+
+    - ``"auto"`` (messages and tables): three significant digits in the largest unit that
+      fits: ``1.5 GiB``, ``300 MiB``, ``12 KiB``, ``100 B``;
+    - ``"MiB"`` (numbers a message compares with each other): always MiB, three significant
+      digits: ``0.00211 MiB``, ``1.5e+03 MiB``;
+    - ``"report"`` (``explain``'s report, whose lines a reader compares at a glance): one
+      decimal, MiB from a tenth of one up, else KiB: ``0.4 MiB``, ``5.5 KiB``.
+
+    None (a size nobody knows) is ``unknown``.
+    """
+    if nbytes is None:
+        return "unknown"
+    if style == "MiB":
+        return f"{nbytes / 2**20:.3g} MiB"
+    if style == "report":
+        return (f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 / 10
+                else f"{nbytes / 2**10:.1f} KiB")
+    if style != "auto":
+        raise ValueError(f"style: expected one of {BYTE_STYLES}, got {style!r}")
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.3g} {unit}"

@@ -152,22 +152,19 @@ def _infeasible(record: budgets.Calibration) -> errors.InfeasibleBudgetError:
     smallest = min(t.measured_bytes for t in record.tries) if record.tries else None
     plain = record.plain_measured_bytes
 
-    def mib(nbytes):
-        return budgets.format_bytes(nbytes) if nbytes is not None else "unknown"
-
     if smallest is None:
         found = "the planner found no plan to measure near it"
         retry = " Ask for more"
     else:
         found = (f"the smallest of {len(record.tries)} measured plans peaked at "
-                 f"{mib(smallest)} ({smallest / plain:.0%} of the plain step)")
+                 f"{budgets.format_bytes(smallest)} ({smallest / plain:.0%} of the plain step)")
         at_least = math.ceil(smallest / plain * 100) / 100
         retry = f" Ask for at least that (Budget(fraction={at_least:.2f}) of the measured step)"
     error = errors.InfeasibleBudgetError(
-        f"budget: {record.asked.describe()} is {mib(record.target_bytes)} of measured step "
-        f"peak ({record.target_bytes / plain:.0%} of the plain tf.gradients step, "
-        f"{mib(plain)}), and no plan measured within it: {found}.{retry}, or plan without "
-        "calibration (a budget on the predicted peak).")
+        f"budget: {record.asked.describe()} is {budgets.format_bytes(record.target_bytes)} of "
+        f"measured step peak ({record.target_bytes / plain:.0%} of the plain tf.gradients step, "
+        f"{budgets.format_bytes(plain)}), and no plan measured within it: {found}.{retry}, or "
+        "plan without calibration (a budget on the predicted peak).")
     error.min_feasible_bytes = smallest
     error.budget_bytes = record.target_bytes
     error.plain_peak_bytes = plain

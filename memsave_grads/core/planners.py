@@ -11,6 +11,7 @@ from typing import Iterable, Sequence
 
 from absl import logging
 
+from memsave_grads.core import budgets
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
@@ -211,8 +212,8 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
             predicted_peak_bytes=memory_model.replay(graph, sched)[0],
             recompute_cost=cost,
             reason=f"cut at {len(cuts)} position{'' if len(cuts) == 1 else 's'} where the "
-                   f"live frontier is small, at most {cap_bytes / 2**20:.3g} MiB recomputed "
-                   "between cuts; the lowest predicted "
+                   f"live frontier is small, at most {budgets.format_bytes(cap_bytes, 'MiB')} "
+                   "recomputed between cuts; the lowest predicted "
                    "peak, and the least recomputation among plans within 2% of it"))
     best_peak = min(p.predicted_peak_bytes for p in plans)
     if best_peak >= plain_peak:

@@ -1,5 +1,5 @@
-"""One measurement in a fresh Python process: what the benchmarks that need a clean process
-(an allocator cap, XLA's heap, a peak no earlier run has touched) share.
+"""One measurement in a fresh Python process: what fit-limit's tries and the benchmarks that
+need a clean process (an allocator cap, XLA's heap, a peak no earlier run has touched) share.
 
 The parent runs ``python -m <module> <request as JSON>`` with the CPU BFC allocator on (its
 statistics give the peak) and whatever else the caller sets; the child answers with one line,

@@ -3,7 +3,7 @@ memory limit, with plain ``tf.gradients`` and with each memsave_grads strategy.
 
 The question a user brings is not "how many MiB" but "how much larger can I train". This
 module answers it the only honest way: it tries. Every try is one fresh process
-(``python -m memsave_grads.bench.fit_limit REQUEST``) whose allocator is capped before
+(``python -m memsave_grads.fit_limit REQUEST``) whose allocator is capped before
 TensorFlow starts: on CPU with ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` (the BFC allocator then refuses
 what would pass the limit; it grows in regions of doubling size, as a GPU's does with memory
 growth on, unless ``reserve_limit`` takes the whole limit as one region first, as a GPU's does
@@ -45,8 +45,8 @@ import time
 from typing import Callable, Sequence
 
 from memsave_grads import measure
-from memsave_grads.bench import child
-from memsave_grads.bench import tables
+from memsave_grads import _child as child
+from memsave_grads import _tables as tables
 
 #: The reference method's name, and Keras 3's own rematerialisation.
 PLAIN = "tf.gradients"
@@ -97,13 +97,19 @@ class Search:
         return max(fitting, key=lambda a: a.size) if fitting else None
 
     @property
+    def reached_max(self) -> bool:
+        """Whether every try fit: the search stopped at ``--max``, not at the limit, so
+        :attr:`largest` is a lower bound."""
+        return bool(self.attempts) and all(a.fits for a in self.attempts)
+
+    @property
     def largest_text(self) -> str:
-        """The largest size that fit, ``">= N"`` where nothing failed (the search stopped at
-        ``--max``, not at the limit); ``"-"`` where nothing fit."""
+        """The largest size that fit, ``">= N"`` where it is a lower bound
+        (:attr:`reached_max`); ``"-"`` where nothing fit."""
         best = self.largest
         if best is None:
             return "-"
-        return f"{'>= ' if all(a.fits for a in self.attempts) else ''}{best.size}"
+        return f"{'>= ' if self.reached_max else ''}{best.size}"
 
     @property
     def failure(self) -> str:
@@ -257,18 +263,40 @@ def _error_line(error: Exception) -> str:
 
 
 def _check_here(request: dict) -> dict:
-    """The child's side of :func:`check`: build once, uncapped, and say what was built."""
+    """The child's side of :func:`check`: build once, uncapped, and say what was built (for a
+    Keras model, with the bytes of its weights and of its optimizer's state)."""
     try:
         kind, target, _ = build(request["source"], request["batch_size"],
                                 request.get("sequence_length"))
         if kind == "step":
             return {"kind": "step"}
         from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
-        version = keras_lib.keras_version(target)
-        keras_lib.check_trainable(target, version, "fit-limit")
-        return {"kind": "keras", "keras": version}
+        flavour = keras_lib.flavour_of(target)
+        keras_lib.check_trainable(target, flavour, "fit-limit")
+        return {"kind": "keras", "keras": flavour.name,
+                "weights_bytes": _bytes_of(target.weights),
+                "optimizer_state_bytes": _optimizer_state_bytes(target)}
     except Exception as e:  # pylint: disable=broad-except  # the user's model, reported whole
         return {"error": error_text(e)}
+
+
+def _bytes_of(variables) -> int:
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype.name if hasattr(v.dtype, "name")
+                                                else v.dtype).itemsize for v in variables)
+
+
+def _optimizer_state_bytes(model) -> int:
+    """The bytes of the optimizer's variables once made for the model's trainable weights
+    (momentum, Adam's moments...): Keras 3 and tf_keras' optimizers make them in ``build``;
+    a legacy tf_keras optimizer, which makes its slots in its first update, counts 0."""
+    optimizer = model.optimizer
+    build_for = getattr(optimizer, "build", None)
+    # Keras 3 says ``built``; tf_keras' optimizers keep ``_built`` once they have built.
+    built = getattr(optimizer, "built", getattr(optimizer, "_built", False))
+    if callable(build_for) and not built:
+        build_for(model.trainable_variables)
+    return _bytes_of(getattr(optimizer, "variables", []) or [])
 
 
 def check(source: str, batch_size: int, sequence_length: int | None = None,
@@ -290,69 +318,88 @@ def check(source: str, batch_size: int, sequence_length: int | None = None,
     return outcome.result
 
 
-def _try_here(request: dict) -> dict:
-    """The child's side of :func:`attempt` (build, trace, measure; a dict of the result), and
-    of :func:`check`."""
-    if request.get("check"):
-        return _check_here(request)
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+class _NotApplicable(Exception):
+    """A method that does not apply to what the model argument built (its reason)."""
+
+
+def _method_step(method: str, source: str, batch_size: int, sequence_length: int | None):
+    """One training step of the model argument under ``method``, ready to run: ``(run,
+    undo)``. ``run()`` trains one step (the first call traces it); ``undo()`` ends what
+    ``method`` started in this process (a patch). Raises :class:`_NotApplicable` where the
+    method does not apply to what was built."""
     import memsave_grads as mg  # pylint: disable=import-outside-toplevel
     from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
+    arguments = (source, batch_size, sequence_length)
+    if method == KERAS_REMAT:
+        import keras  # pylint: disable=import-outside-toplevel
+        with keras.RematScope(mode="full"):
+            kind, target, data = build(*arguments)
+    else:
+        kind, target, data = build(*arguments)
+    if kind == "keras":
+        if method == KERAS_REMAT and keras_lib.keras_version(target) != keras_lib.KERAS3:
+            # RematScope leaves a tf_keras model as it is: that row would be stock fit's.
+            raise _NotApplicable("keras.RematScope applies to Keras 3 models only")
+        if method not in (PLAIN, KERAS_REMAT):
+            strategy = method.removesuffix(EARLY_RELEASE)
+            mg.wrap_model(target, checkpoints=strategy, fallback="warn",
+                          release_gradients_early=strategy != method)
+        x, y = data
+        return (lambda: target.train_on_batch(x, y)), (lambda: None)
+    if method == KERAS_REMAT:
+        raise _NotApplicable("keras.RematScope applies to Keras models only")
+    if method.endswith(EARLY_RELEASE):
+        raise _NotApplicable("early release applies to Keras models only (for a step, call "
+                             "memsave_grads.minimize in it)")
+    if method == PLAIN:
+        return target, lambda: None
+    mg.patch(method)
+
+    def run():  # as the docs tell a step's user (wrap_model does it for Keras)
+        with mg.without_grappler_scheduling():
+            return target()
+    return run, lambda: mg.unpatch() if mg.is_patched() else None
+
+
+def _run_to_end(run) -> None:
+    """One step, its results fetched: the step has really run when this returns."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    _ = [float(v) for v in tf.nest.flatten(run()) if hasattr(v, "__float__")]
+
+
+def _try_here(request: dict) -> dict:
+    """The child's side of :func:`attempt` (build, trace, measure; a dict of the result), of
+    :func:`check` and of :func:`time_against`."""
+    if request.get("check"):
+        return _check_here(request)
+    if request.get("time"):
+        return _time_here(request)
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
     _cap_allocator(request["limit_mib"], request.get("reserve_limit", False))
     method = request["method"]
     device = measure.default_device()
     calls = _counting_rewrites()
-    patched = False
+    undo = lambda: None  # noqa: E731
     try:
-        arguments = (request["source"], request["batch_size"], request.get("sequence_length"))
-        if method == KERAS_REMAT:
-            import keras  # pylint: disable=import-outside-toplevel
-            with keras.RematScope(mode="full"):
-                kind, target, data = build(*arguments)
-        else:
-            kind, target, data = build(*arguments)
-        if kind == "keras":
-            if method == KERAS_REMAT and keras_lib.keras_version(target) != keras_lib.KERAS3:
-                # RematScope leaves a tf_keras model as it is: that row would be stock fit's.
-                return {"fits": False, "error": "keras.RematScope applies to Keras 3 models only"}
-            if method not in (PLAIN, KERAS_REMAT):
-                strategy = method.removesuffix(EARLY_RELEASE)
-                mg.wrap_model(target, checkpoints=strategy, fallback="warn",
-                              release_gradients_early=strategy != method)
-            x, y = data
-
-            def run():
-                return target.train_on_batch(x, y)
-        else:
-            if method == KERAS_REMAT:
-                return {"fits": False, "error": "keras.RematScope applies to Keras models only"}
-            if method.endswith(EARLY_RELEASE):
-                return {"fits": False, "error": "early release applies to Keras models only "
-                        "(for a step, call memsave_grads.minimize in it)"}
-            run = target
-            if method != PLAIN:
-                mg.patch(method)
-                patched = True
-
-                def run():  # as the docs tell a step's user (wrap_model does it for Keras)
-                    with mg.without_grappler_scheduling():
-                        return target()
+        run, undo = _method_step(method, request["source"], request["batch_size"],
+                                 request.get("sequence_length"))
         run()   # trace and warm up: the measured steps allocate only what they use
         if method not in (PLAIN, KERAS_REMAT) and calls[0] == 0:
             return {"fits": False, "error": (
-                "the step never called tf.gradients, so memsave_grads never saw it "
-                "(patch() does not reach tf.GradientTape: call tf.gradients or "
-                "memsave_grads.gradients in the step)")}
+                "the step's gradients never reached memsave_grads (patch() routes "
+                "tf.gradients, and tf.GradientTape inside a tf.function: an eager step, or a "
+                "tape entered before the patch, is not)")}
         peaks, step_peaks, seconds = [], [], []
         for _ in range(request["steps"]):
             tf.config.experimental.reset_memory_stats(device)
-            before = tf.config.experimental.get_memory_info(device)["current"]
+            before = measure.memory_info(device)["current"]
             start = time.perf_counter()
-            result = run()
-            _ = [float(v) for v in tf.nest.flatten(result) if hasattr(v, "__float__")]
+            _run_to_end(run)
             seconds.append(time.perf_counter() - start)
-            peaks.append(tf.config.experimental.get_memory_info(device)["peak"])
+            peaks.append(measure.memory_info(device)["peak"])
             step_peaks.append(peaks[-1] - before)
+    except _NotApplicable as e:
+        return {"fits": False, "error": str(e)}
     except tf.errors.ResourceExhaustedError as e:
         lines = str(e).strip().splitlines() or ["out of memory"]
         line = next((x for x in lines if "OOM" in x), lines[0])
@@ -360,11 +407,95 @@ def _try_here(request: dict) -> dict:
     except Exception as e:  # pylint: disable=broad-except  # reported as this try's failure
         return {"fits": False, "error": f"{type(e).__name__}: {_error_line(e)}"[:300]}
     finally:
-        if patched:
-            mg.unpatch()
+        undo()
     seconds.sort()
     return {"fits": True, "peak_bytes": max(peaks), "step_peak_bytes": max(step_peaks),
             "step_seconds": seconds[len(seconds) // 2]}
+
+
+# --------------------------------------------------------------------------------------------
+# Timing the methods against each other
+# --------------------------------------------------------------------------------------------
+
+#: Rounds of :func:`time_against`: each method runs one step per round, in turn.
+TIMING_ROUNDS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """A method's time per sample (or position) against the reference's, from steps run in
+    turn in one process: the median over rounds of the per-round ratio, and its spread."""
+
+    method: str
+    ratio: float
+    lowest: float
+    highest: float
+
+    @property
+    def text(self) -> str:
+        return f"{self.ratio:.2f}x ({self.lowest:.2f}-{self.highest:.2f})"
+
+
+def _time_here(request: dict) -> dict:
+    """The child's side of :func:`time_against`: every entry's step built and traced, then
+    ``rounds`` rounds in which each runs one step, in an order that turns each round."""
+    entries = request["entries"]
+    runs, undos = [], []
+    try:
+        for entry in entries:
+            run, undo = _method_step(entry["method"], request["source"], entry["batch_size"],
+                                     entry.get("sequence_length"))
+            undos.append(undo)
+            _run_to_end(run)  # trace and warm up
+            undo()  # the traced step keeps what the patch made
+            runs.append(run)
+        seconds = [[] for _ in entries]
+        for round_ in range(request["rounds"]):
+            for k in range(len(entries)):
+                i = (k + round_) % len(entries)
+                start = time.perf_counter()
+                _run_to_end(runs[i])
+                seconds[i].append(time.perf_counter() - start)
+    except Exception as e:  # pylint: disable=broad-except  # the timing is left out, said why
+        return {"error": error_text(e)}
+    finally:
+        for undo in undos:
+            undo()
+    return {"seconds": seconds}
+
+
+def time_against(source: str, reference: Attempt, others: Sequence[Attempt],
+                 sequence_length_fixed: int | None = None, rounds: int = TIMING_ROUNDS,
+                 timeout_s: float = PROCESS_TIMEOUT_S) -> tuple[list[Timing], str]:
+    """Each of ``others`` (a method at the size it reached) timed against ``reference`` (the
+    plain step at its own largest size) in ONE uncapped fresh process, one step each per
+    round, in turn: per round, a method's time per unit over the reference's, then the
+    median and the spread over the rounds. Times of separate processes at separate moments
+    are not compared: on a shared machine they differ by more than the methods do.
+    ``sequence_length_fixed``: where the sequence length varies, the batch size it runs at.
+    Returns the timings and, where there are none, why."""
+    attempts = [reference, *others]
+
+    def entry(a: Attempt) -> dict:
+        if sequence_length_fixed is None:
+            return {"method": a.method, "batch_size": a.size}
+        return {"method": a.method, "batch_size": sequence_length_fixed,
+                "sequence_length": a.size}
+
+    outcome = child.run(__name__, {"time": True, "source": source, "rounds": rounds,
+                                   "entries": [entry(a) for a in attempts]},
+                        env={CPU_LIMIT_ENV: None}, timeout_s=timeout_s)
+    result = outcome.result or {}
+    if "seconds" not in result:
+        why = ("ran past its time" if outcome.timed_out else
+               result.get("error") or outcome.last_error_line())
+        return [], why
+    per_unit = [[t / a.size for t in seconds] for a, seconds in zip(attempts, result["seconds"])]
+    timings = []
+    for a, mine in zip(others, per_unit[1:]):
+        ratios = sorted(m / r for m, r in zip(mine, per_unit[0]))
+        timings.append(Timing(a.method, ratios[len(ratios) // 2], ratios[0], ratios[-1]))
+    return timings, ""
 
 
 def attempt(source: str, method: str, batch_size: int, limit_mib: int,
@@ -489,28 +620,62 @@ def progress_line(attempt_: Attempt, dimension: str) -> str:
     return f"{attempt_.method}: {dimension} {attempt_.size} {what}: {attempt_.error[:160]}"
 
 
-def table(searches: Sequence[Search], dimension: str, limit_mib: int) -> str:
-    """One row per method: the largest size that fit (in every try), against tf.gradients'."""
-    reference = next((s.largest for s in searches if s.method == PLAIN), None)
+def baseline_name(kind: str | None) -> str:
+    """What the reference method is, as the table names it: Keras' own ``fit`` step (which
+    differentiates with a tape), or the step as written (``tf.gradients`` unpatched)."""
+    return "stock fit" if kind == "keras" else PLAIN
+
+
+def ratio_text(ratio: float, at_least: bool, at_most: bool) -> str:
+    """A size ratio, with ">=" where it is a lower bound (the method still fit at --max) and
+    "<=" where it is an upper bound (the reference did); "-" where it is both."""
+    if at_least and at_most:
+        return "-"
+    return f"{'>= ' if at_least else '<= ' if at_most else ''}{ratio:.2f}x"
+
+
+def table(searches: Sequence[Search], dimension: str, limit_mib: int,
+          timings: Sequence[Timing] = (), baseline: str = PLAIN) -> str:
+    """One row per method: the largest size that fit (in every try), against the reference's,
+    and the time per unit against the reference's where :func:`time_against` measured it."""
+    reference = next((s for s in searches if s.method == PLAIN), None)
+    reference_best = reference.largest if reference else None
+    timed = {t.method: t for t in timings}
     unit = "sample" if dimension == "batch" else "position"   # Attempt.seconds_per_unit
     rows = []
     for s in searches:
+        name = baseline if s.method == PLAIN else s.method
         best = s.largest
         if best is None:
-            why = s.failure or (f"does not fit at {dimension} {s.attempts[0].size}"
-                                if s.attempts else "not tried")
-            rows.append([s.method, "-", "-", "-", "-", "-", why[:80]])
+            smallest = min((a.size for a in s.attempts), default=None)
+            why = s.failure or (f"does not fit at {dimension} {smallest}"
+                                if smallest is not None else "not tried")
+            rows.append([name, "-", "-", "-", "-", "-", why[:80]])
             continue
-        ratio = "-" if reference is None else f"{best.size / reference.size:.2f}x"
-        time_ratio = "-" if reference is None else (
-            f"{best.seconds_per_unit / reference.seconds_per_unit:.2f}x")
-        rows.append([s.method, s.largest_text, ratio,
-                     tables.number(best.seconds_per_unit * 1e3), time_ratio,
+        ratio = "-" if reference_best is None or s is reference else ratio_text(
+            best.size / reference_best.size, s.reached_max, reference.reached_max)
+        timing = timed.get(s.method)
+        rows.append([name, s.largest_text, ratio,
+                     tables.number(best.seconds_per_unit * 1e3),
+                     timing.text if timing else "-",
                      tables.number(best.peak_bytes / measure.MIB), s.failure[:80]])
     return tables.markdown_table(
-        ["method", f"largest {dimension}", f"vs {PLAIN}", f"ms per {unit}",
-         f"time per {unit} ratio", f"peak MiB (limit {limit_mib})", "note"],
+        ["method", f"largest {dimension}", f"vs {baseline}", f"ms per {unit}",
+         f"time per {unit} vs {baseline}", f"peak MiB (limit {limit_mib})", "note"],
         "lrrrrrl", rows)
+
+
+def search_record(search_: Search, searches: Sequence[Search]) -> dict:
+    """One method's search as data (``--format json``): its largest size, whether that is a
+    lower bound, its ratio to the reference's (None where there is none), and every try."""
+    reference = next((s for s in searches if s.method == PLAIN), None)
+    best, reference_best = search_.largest, reference.largest if reference else None
+    ratio = (best.size / reference_best.size
+             if best and reference_best and search_ is not reference else None)
+    return {"method": search_.method, "largest": best.size if best else None,
+            "lower_bound": search_.reached_max,
+            "reference_lower_bound": bool(reference and reference.reached_max),
+            "size_ratio": ratio, "failure": search_.failure, "attempts": search_.attempts}
 
 
 TABLE_NOTES = (
@@ -518,11 +683,14 @@ TABLE_NOTES = (
     f"{CPU_LIMIT_ENV}; GPU: a logical device's memory_limit); it fits when one traced step "
     "and the measured steps ran without running out of memory. largest: the largest size that "
     "fit (the search doubles, then bisects to within 1/16); '>=' where it still fit at "
-    "--max. ms per sample (or position, where the sequence length varies): the median "
-    "measured step at that size over its examples (or positions). peak: "
-    "the allocator's peak during a measured step, weights and optimizer state included. With "
-    "--tries K a size fits only if each of K fresh processes fit it (peak: the largest of "
-    "theirs; time: their median).")
+    "--max, and then its ratio is a lower bound ('<=': the reference's was). ms per sample "
+    "(or position, where the sequence length varies): the median measured step of the search "
+    "at that size over its examples (or positions), under the cap. time per sample vs the "
+    "reference: each method at its largest size and the reference at its own, run in turn in "
+    f"one uncapped process, {TIMING_ROUNDS} rounds of one step each; the median of the "
+    "per-round ratios, and their range in parentheses. peak: the allocator's peak during a "
+    "measured step, weights and optimizer state included. With --tries K a size fits only "
+    "if each of K fresh processes fit it (peak: the largest of theirs; time: their median).")
 
 
 def plot(searches: Sequence[Search], dimension: str, limit_mib: int, path: str,

@@ -1,7 +1,8 @@
-"""The README headline's models (and docs/budgets.md's), as a user hands them to fit-limit:
+"""The README headline's models (and docs/budgets.md's), as a user hands them to fit-limit,
+from the installed package:
 
-    python -m memsave_grads fit-limit examples/fit_limit_models.py:resnet50 --limit-mib 600 \\
-        --checkpoints memory --keras-remat --plot resnet50.png
+    python -m memsave_grads fit-limit memsave_grads.bench.fit_limit_models:resnet50 \\
+        --limit-mib 600 --checkpoints memory --keras-remat --plot resnet50.png
 
 Each function takes the batch size and returns a compiled Keras 3 model (``resnet50_tf_keras``:
 a tf_keras one); fit-limit makes a batch of random data of the model's shapes (token ids for

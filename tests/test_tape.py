@@ -1,0 +1,588 @@
+"""Tape routing (design note "tape routing"): ``tf.GradientTape`` inside a graph, computed with
+memsave_grads, against the unrouted tape.
+
+Every case builds its tapes in a ``tf.function`` and returns gradients; it runs once with
+TensorFlow's own tape (the reference) and once per way in (``patch()``, ``route_tapes()``,
+``memsave_grads.GradientTape``) and strategy. The results must match the reference: values
+(float64, rtol 1e-10), None where it gives None, ``IndexedSlices`` where it gives them, the
+structure of the sources. Each routed run must also have gone through
+``memsave_grads.gradients`` (the ``spy`` fixture) and, under ``"speed"``, which recomputes
+everything but the matmuls, have copied forward ops: no case passes because the tape was left
+to TensorFlow.
+"""
+
+import functools
+import logging
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memsave_grads as mg
+from memsave_grads import tape as tape_routing
+
+DTYPE = tf.float64
+RTOL = 1e-10
+WIDTH, DEPTH = 6, 6
+WAYS = ["patch", "route_tapes", "GradientTape"]
+#: Each way in and each strategy at least once: the hooks (patch, route_tapes) and the class
+#: run the same gradient code, so the whole product would only triple the module's time.
+ROUTES = [("memory", "patch"), ("memory", "GradientTape"), ("speed", "route_tapes"),
+          ("budget:70%", "patch")]
+
+_rng = np.random.RandomState(0)
+WS = [tf.Variable(_rng.randn(WIDTH, WIDTH) / np.sqrt(WIDTH), dtype=DTYPE, name=f"w{i}")
+      for i in range(DEPTH)]
+FROZEN = tf.Variable(_rng.randn(WIDTH, WIDTH) / np.sqrt(WIDTH), dtype=DTYPE, trainable=False)
+UNUSED = tf.Variable(_rng.randn(WIDTH), dtype=DTYPE, name="unused")
+EMBEDDING = tf.Variable(_rng.randn(20, WIDTH), dtype=DTYPE, name="embedding")
+BATCH = 32  # activations outweigh the weights, so that "memory" recomputes
+X = tf.constant(_rng.randn(BATCH, WIDTH), dtype=DTYPE)
+IDS = tf.constant(_rng.randint(0, 20, BATCH))
+
+
+def chain(h, weights):
+    for w in weights:
+        h = h + tf.tanh(tf.matmul(h, w))
+    return h
+
+
+def loss_of(h):
+    return tf.reduce_sum(tf.tanh(h) * h)
+
+
+# --------------------------------------------------------------------------------------------
+# The cases: (Tape, x) -> nested gradients. ``Tape`` is tf.GradientTape or the routed class.
+# --------------------------------------------------------------------------------------------
+
+def before_the_with_block(Tape, x):
+    a = chain(x, WS[:2])  # not recorded: its weights get None
+    with Tape() as tape:
+        loss = loss_of(chain(a, WS[2:]))
+    return tape.gradient(loss, WS)
+
+
+def stop_recording(Tape, x):
+    with Tape() as tape:
+        h = chain(x, WS[:2])
+        with tape.stop_recording():
+            unrecorded = chain(h, WS[2:4])
+        loss = loss_of(h + chain(unrecorded, WS[4:]))
+    return tape.gradient(loss, WS)
+
+
+def watched_input(Tape, x):
+    with Tape() as tape:
+        tape.watch(x)
+        loss = loss_of(chain(x, WS))
+    return tape.gradient(loss, {"x": x, "weights": WS})
+
+
+def unwatched_input(Tape, x):
+    with Tape() as tape:
+        y = x * 2.0  # x is not watched: nothing here is recorded
+        loss = loss_of(chain(y, WS))
+    return tape.gradient(loss, WS)
+
+
+def watched_leaf(Tape, x):
+    h = chain(x, WS[:2])
+    with Tape() as tape:
+        tape.watch(h)
+        loss = loss_of(chain(h, WS[2:]))
+    return tape.gradient(loss, [h, WS])
+
+
+def watched_intermediate(Tape, x):
+    with Tape() as tape:
+        tape.watch(x)
+        h = chain(x, WS[:3])
+        tape.watch(h)  # already recorded: the watch changes nothing
+        loss = loss_of(chain(h, WS[3:]))
+    return tape.gradient(loss, [x, h, WS])
+
+
+def watched_after_stop(Tape, x):
+    with Tape() as tape:
+        tape.watch(x)
+        with tape.stop_recording():
+            h = chain(x, WS[:2])
+        tape.watch(h)  # a leaf: its op was made while the tape was stopped
+        loss = loss_of(chain(h, WS[2:]))
+    return tape.gradient(loss, [x, h, WS])
+
+
+def watch_accessed_variables_off(Tape, x):
+    with Tape(watch_accessed_variables=False) as tape:
+        tape.watch(WS[::2])
+        loss = loss_of(chain(x, WS) @ FROZEN)
+    return tape.gradient(loss, WS + [FROZEN])
+
+
+def persistent_twice(Tape, x):
+    with Tape(persistent=True) as tape:
+        h = chain(x, WS[:3])
+        first = loss_of(h)
+        second = loss_of(chain(h, WS[3:]))
+    return [tape.gradient(first, WS), tape.gradient(second, WS[1:])]
+
+
+def persistent_inside_its_context(Tape, x):
+    with Tape(persistent=True) as tape:
+        loss = loss_of(chain(x, WS))
+        grads = tape.gradient(loss, WS)  # recorded on the tape itself
+        penalty = tf.add_n([tf.reduce_sum(g * g) for g in grads])
+    return [grads, tape.gradient(penalty, WS)]
+
+
+def output_gradients(Tape, x):
+    with Tape() as tape:
+        h = chain(x, WS)
+        loss = loss_of(h)
+    half = tf.fill(tf.shape(h), tf.constant(0.5, DTYPE))
+    return tape.gradient([h, loss], WS, output_gradients=[half, tf.constant(2.0, DTYPE)])
+
+
+def unconnected_zero(Tape, x):
+    with Tape() as tape:
+        loss = loss_of(chain(x, WS))
+    return tape.gradient(loss, WS + [UNUSED], unconnected_gradients="zero")
+
+
+def gradient_penalty(Tape, x):
+    """WGAN-GP: the outer tape differentiates the inner tape's gradient."""
+    fake = chain(x * 0.5, WS[:2])
+    alpha = tf.constant(np.linspace(0.1, 0.9, BATCH).reshape(BATCH, 1), DTYPE)
+    with Tape() as outer:
+        interpolated = alpha * x + (1.0 - alpha) * fake
+        with Tape() as inner:
+            inner.watch(interpolated)
+            critic = loss_of(chain(interpolated, WS[2:]))
+        slope = tf.sqrt(tf.reduce_sum(tf.square(inner.gradient(critic, interpolated)), axis=1))
+        penalty = tf.reduce_mean(tf.square(slope - 1.0))
+    return outer.gradient(penalty, WS)
+
+
+def third_order(Tape, x):
+    v = x[0]
+    with Tape() as t3:
+        t3.watch(v)
+        with Tape() as t2:
+            t2.watch(v)
+            with Tape() as t1:
+                t1.watch(v)
+                f = loss_of(chain(v[None, :], WS))
+            g1 = t1.gradient(f, v)
+            s1 = tf.reduce_sum(g1 * tf.sin(v))
+        g2 = t2.gradient(s1, [v, WS[0]])
+        s2 = tf.reduce_sum(g2[0] * g2[0]) + tf.reduce_sum(g2[1])
+    return [g1, g2, t3.gradient(s2, [v, WS])]
+
+
+def reset(Tape, x):
+    with Tape() as tape:
+        first = loss_of(chain(x, WS[:3]))  # forgotten: only `second` reaches WS[:3]
+        tape.reset()
+        total = first + loss_of(chain(x * 0.5, WS))
+    return tape.gradient(total, WS)
+
+
+def sparse(Tape, x):
+    with Tape() as tape:
+        h = tf.gather(EMBEDDING, IDS) + x
+        loss = loss_of(chain(h, WS))
+    return tape.gradient(loss, [EMBEDDING] + WS)
+
+
+def nested_structures(Tape, x):
+    with Tape(persistent=True) as tape:
+        tape.watch(x)
+        h = chain(x, WS[:3])
+        targets = {"a": loss_of(h), "b": [loss_of(chain(h, WS[3:]))]}
+    return tape.gradient(targets, {"x": x, "w": (WS[0], [WS[4]])})
+
+
+def ragged_source(Tape, x):
+    values = tf.reshape(x, [-1])
+    ragged = tf.RaggedTensor.from_row_lengths(values, [WIDTH * BATCH // 2, 0, WIDTH * BATCH // 2])
+    with Tape() as tape:
+        tape.watch(ragged)
+        h = tf.reshape(tf.tanh(ragged.values), [BATCH, WIDTH])
+        loss = loss_of(chain(h, WS))
+    return tape.gradient(loss, ragged)
+
+
+def target_made_after_the_block(Tape, x):
+    with Tape() as tape:
+        loss = loss_of(chain(x, WS))
+    return tape.gradient(loss * 2.0, WS, unconnected_gradients="zero")  # not recorded: zeros
+
+
+@tf.function
+def _inner_block(h, w):
+    return h + tf.tanh(tf.matmul(h, w))
+
+
+@tf.custom_gradient
+def _scaled_tanh(h):
+    y = tf.tanh(h)
+    return y, lambda dy: dy * (1.0 - y * y) * 0.5  # half the true derivative, on purpose
+
+
+def control_flow_and_calls(Tape, x):
+    """cond, while_loop, a nested tf.function, a custom gradient and tf.recompute_grad (whose
+    gradient opens a tape of its own) in the recorded forward pass; two tapes, so cond_v2
+    wraps its If for higher-order tape gradients."""
+    with Tape(persistent=True) as tape:
+        h = chain(x, WS[:1])
+        h = tf.cond(tf.reduce_sum(h) > -1e9, lambda: tf.tanh(h) * 2.0, lambda: h)
+        _, h = tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h + tf.tanh(h @ WS[1])),
+                             [tf.constant(0), h])
+        h = _inner_block(h, WS[2])
+        h = _scaled_tanh(h)
+        h = tf.recompute_grad(lambda h: chain(h, WS[3:5]))(h)
+        loss = loss_of(chain(h, WS[5:]))
+    return [tape.gradient(loss, WS), tape.gradient(loss, x, unconnected_gradients="zero")]
+
+
+CASES = [target_made_after_the_block, before_the_with_block, stop_recording, watched_input,
+         unwatched_input, watched_leaf, watched_intermediate, watched_after_stop,
+         watch_accessed_variables_off,
+         persistent_twice, persistent_inside_its_context, output_gradients, unconnected_zero,
+         gradient_penalty, third_order, reset, sparse, nested_structures, ragged_source,
+         control_flow_and_calls]
+
+
+# --------------------------------------------------------------------------------------------
+# Running a case
+# --------------------------------------------------------------------------------------------
+
+def _run(case, way: str | None, checkpoints: str = "memory", fallback: str = "error",
+         jit_compile: bool = False):
+    """The case's gradients with TensorFlow's tape (``way`` None) or routed; and the graph."""
+    tape_class = tf.GradientTape
+    if way == "GradientTape":
+        tape_class = functools.partial(mg.GradientTape, checkpoints=checkpoints,
+                                       fallback=fallback)
+    function = tf.function(lambda x: case(tape_class, x), jit_compile=jit_compile)
+    if way == "patch":
+        with mg.patch(checkpoints, fallback=fallback):
+            concrete = function.get_concrete_function(X)
+    elif way == "route_tapes":
+        with mg.route_tapes(checkpoints, fallback=fallback):
+            concrete = function.get_concrete_function(X)
+    else:
+        concrete = function.get_concrete_function(X)
+    return concrete(X), concrete.graph
+
+
+def _fallback_for(checkpoints: str) -> str:
+    # A budget below what any plan of these small graphs reaches plans at the smallest peak.
+    return "warn" if checkpoints.startswith("budget") else "error"
+
+
+def assert_same_gradients(got, want, rtol=RTOL):
+    """Same structure, None where ``want`` has None, the same composite types, values close."""
+    tf.nest.assert_same_structure(got, want, expand_composites=False)
+    for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+        if w is None:
+            assert g is None, f"expected None, got {g!r}"
+            continue
+        assert g is not None, f"got None where the tape gives {w!r}"
+        assert type(g) is type(w), (type(g), type(w))
+        if isinstance(w, tf.IndexedSlices):
+            g, w = tf.convert_to_tensor(g), tf.convert_to_tensor(w)
+        elif isinstance(w, tf.RaggedTensor):
+            np.testing.assert_array_equal(g.row_splits, w.row_splits)
+            g, w = g.flat_values, w.flat_values
+        w = np.asarray(w)
+        np.testing.assert_allclose(np.asarray(g), w, rtol=rtol,
+                                   atol=rtol * max(1.0, float(np.abs(w).max(initial=0.0))))
+
+
+def _copies(graph) -> int:
+    """Ops the rewrite copied (recomputed), in ``graph`` and the functions it calls."""
+    return sum(1 for op in graph.get_operations() if "_memsave" in op.name)
+
+
+_REFERENCE = {}
+
+
+def _reference(case):
+    if case not in _REFERENCE:
+        _REFERENCE[case] = _run(case, None)[0]
+    return _REFERENCE[case]
+
+
+@pytest.mark.parametrize("checkpoints,way", ROUTES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_same_gradients_as_the_tape(case, checkpoints, way, spy):
+    got, graph = _run(case, way, checkpoints, _fallback_for(checkpoints))
+    assert_same_gradients(got, _reference(case))
+    assert spy, "the tape was not routed through memsave_grads.gradients"
+    if checkpoints == "speed" and case is not target_made_after_the_block:
+        # "speed" keeps the matmuls and recomputes the rest of what the tape recorded
+        assert _copies(graph) > 0, "nothing was recomputed"
+
+
+@pytest.mark.parametrize("case", ["plain", "gradient_penalty"])
+def test_under_xla(case, spy):
+    case = {"plain": lambda T, x: _plain(T, x), "gradient_penalty": gradient_penalty}[case]
+    want = _run(case, None, jit_compile=True)[0]
+    got, graph = _run(case, "patch", "speed", jit_compile=True)
+    assert_same_gradients(got, want)
+    assert spy and _copies(graph) > 0
+
+
+def test_a_training_loop_inside_one_function(spy):
+    """``for i in tf.range(n)`` around the tape and the update: the tape lives in a while
+    loop's body, and reads the variables through that body's captures."""
+    def train(route: bool):
+        weights = [tf.Variable(w) for w in WS]
+        optimizer = tf.keras.optimizers.SGD(0.01)
+
+        @tf.function
+        def loop(x):
+            loss = tf.constant(0.0, DTYPE)
+            for _ in tf.range(3):
+                with tf.GradientTape() as tape:
+                    loss = loss_of(chain(x, weights))
+                grads = tape.gradient(loss, weights)
+                optimizer.apply_gradients(zip(grads, weights))
+            return loss
+
+        with mg.route_tapes("speed", fallback="error") if route else nullcontext():
+            loop.get_concrete_function(X)
+        return float(loop(X)), [w.numpy() for w in weights]
+
+    want_loss, want_weights = train(route=False)
+    assert not spy
+    got_loss, got_weights = train(route=True)
+    assert spy
+    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
+    for got, want in zip(got_weights, want_weights):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * np.abs(want).max())
+
+
+# --------------------------------------------------------------------------------------------
+# Errors are TensorFlow's own
+# --------------------------------------------------------------------------------------------
+
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as e:  # pylint: disable=broad-except
+        return type(e), str(e)
+    return None
+
+
+def _second_call(Tape, x):
+    with Tape() as tape:
+        loss = loss_of(chain(x, WS))
+    tape.gradient(loss, WS)
+    return tape.gradient(loss, WS)
+
+
+def _none_target(Tape, x):
+    with Tape() as tape:
+        chain(x, WS)
+    return tape.gradient(None, WS)
+
+
+def _bad_unconnected(Tape, x):
+    with Tape() as tape:
+        loss = loss_of(chain(x, WS))
+    return tape.gradient(loss, WS, unconnected_gradients="nonsense")
+
+
+@pytest.mark.parametrize("case", [_second_call, _none_target, _bad_unconnected],
+                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize("way", WAYS)
+def test_errors_are_the_tape_s_own(case, way):
+    want = _error_of(lambda: _run(case, None))
+    assert want is not None
+    got = _error_of(lambda: _run(case, way))
+    assert got is not None and issubclass(got[0], want[0]), (got, want)
+    assert want[1].splitlines()[-1] in got[1], (got[1], want[1])
+
+
+# --------------------------------------------------------------------------------------------
+# What TensorFlow's tape computes, with one notice per kind
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def notices(caplog, monkeypatch):
+    monkeypatch.setattr(tape_routing, "_NOTICED", set())
+    caplog.set_level(logging.WARNING)
+    return lambda: [r.getMessage() for r in caplog.records
+                    if "TensorFlow's own tape" in r.getMessage()]
+
+
+def test_eager_gradient_is_tensorflow_s_with_one_notice(notices):
+    with mg.route_tapes("memory"):
+        results = [watched_input(tf.GradientTape, X) for _ in range(2)]
+    for got in results:
+        assert_same_gradients(got, _reference(watched_input))
+    assert len(notices()) == 1 and "eagerly" in notices()[0]
+
+
+def test_jacobian_is_tensorflow_s_with_one_notice(notices, spy):
+    def jacobians(Tape, x):
+        with Tape(persistent=True) as tape:
+            tape.watch(x)
+            h = chain(x, WS[:2])
+        return [tape.jacobian(h, x), tape.batch_jacobian(h, x)]
+
+    want = _run(jacobians, None)[0]
+    got = _run(jacobians, "route_tapes")[0]
+    assert_same_gradients(got, want)
+    assert not spy
+    assert len(notices()) == 2, notices()
+
+
+def test_a_tape_entered_before_routing_is_tensorflow_s(notices, spy):
+    @tf.function
+    def late(x):
+        with tf.GradientTape() as tape:
+            loss = loss_of(chain(x, WS))
+        with mg.route_tapes("memory"):
+            return tape.gradient(loss, WS)
+
+    assert_same_gradients(late(X), _run(lambda T, x: _plain(T, x), None)[0])
+    assert not spy
+    assert len(notices()) == 1 and "before routing" in notices()[0]
+
+
+def test_an_outer_tape_left_to_tensorflow_differentiates_a_routed_inner_gradient(notices, spy):
+    """The outer tape was entered before routing began, so TensorFlow's tape computes its
+    gradient, through the routed inner gradient: it must have recorded the rewrite's copies
+    (``rewrite._record_on_tapes``) and gradient ops."""
+    def nested(route: bool):
+        @tf.function
+        def penalty_gradient(x):
+            with tf.GradientTape() as outer:
+                outer.watch(x)
+                with mg.route_tapes("speed", fallback="error") if route else nullcontext():
+                    with tf.GradientTape() as inner:
+                        loss = loss_of(chain(x, WS))
+                    grads = inner.gradient(loss, WS)
+                penalty = tf.add_n([tf.reduce_sum(g * g) for g in grads])
+            return outer.gradient(penalty, [x] + WS)
+        return penalty_gradient(X), penalty_gradient.get_concrete_function(X).graph
+
+    want, _ = nested(route=False)
+    got, graph = nested(route=True)
+    assert_same_gradients(got, want)
+    assert spy and _copies(graph) > 0
+    assert not notices()  # the outer tape's gradient was taken outside any routing
+
+
+def _plain(Tape, x):
+    with Tape() as tape:
+        loss = loss_of(chain(x, WS))
+    return tape.gradient(loss, WS)
+
+
+def test_an_untracked_source_read_by_a_recorded_op_is_tensorflow_s(notices):
+    def untracked_source(Tape, x):
+        a = chain(x, WS[:2])
+        with Tape() as tape:
+            loss = loss_of(chain(a, WS[2:]))
+        return tape.gradient(loss, [a] + WS)
+
+    got = _run(untracked_source, "patch")[0]
+    assert_same_gradients(got, _run(untracked_source, None)[0])
+    assert len(notices()) == 1 and "does not track" in notices()[0]
+
+
+# --------------------------------------------------------------------------------------------
+# v1 graphs
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("way", WAYS)
+def test_v1_graph_session(way, spy):
+    def build(Tape):
+        rng = np.random.RandomState(1)
+        ws = [tf.Variable(rng.randn(WIDTH, WIDTH) / np.sqrt(WIDTH), dtype=DTYPE)
+              for _ in range(DEPTH)]
+        x = tf.constant(rng.randn(4, WIDTH), dtype=DTYPE)
+        with Tape(persistent=True) as tape:
+            tape.watch(x)
+            h = chain(x, ws[:3])
+            with tape.stop_recording():
+                skipped = chain(h, ws[3:4])
+            loss = loss_of(chain(h + skipped, ws[4:]))
+        return [tape.gradient(loss, [x] + ws), tape.gradient(loss_of(h), ws[:3])]
+
+    def run(routed):
+        with tf.Graph().as_default():
+            if way == "GradientTape" and routed:
+                grads = build(functools.partial(mg.GradientTape, checkpoints="memory",
+                                                fallback="error"))
+            elif routed:
+                context = (mg.patch("memory", fallback="error") if way == "patch"
+                           else mg.route_tapes("memory", fallback="error"))
+                with context:
+                    grads = build(tf.GradientTape)
+            else:
+                grads = build(tf.GradientTape)
+            flat = tf.nest.flatten(grads)
+            with tf.compat.v1.Session() as session:
+                session.run(tf.compat.v1.global_variables_initializer())
+                values = iter(session.run([g for g in flat if g is not None]))
+            return tf.nest.pack_sequence_as(grads, [None if g is None else next(values)
+                                                    for g in flat])
+
+    want = run(False)
+    got = run(True)
+    assert any(g is None for g in tf.nest.flatten(want))  # the stopped block's weight
+    for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+        assert (g is None) == (w is None)
+        if w is not None:
+            np.testing.assert_allclose(g, w, rtol=RTOL, atol=RTOL * np.abs(w).max())
+    assert spy
+
+
+# --------------------------------------------------------------------------------------------
+# The API's own errors
+# --------------------------------------------------------------------------------------------
+
+def test_bad_arguments_are_refused_where_given():
+    with pytest.raises(mg.UnknownStrategyError, match="checkpoints"):
+        mg.GradientTape(checkpoints="fastest")
+    with pytest.raises(mg.InvalidArgumentError, match="fallback"):
+        mg.route_tapes(fallback="maybe")
+    with pytest.raises(mg.InvalidTypeError, match="checkpoints"):
+        mg.route_tapes(checkpoints=3)
+    with pytest.raises(mg.InvalidTypeError, match="tapes"):
+        mg.patch("memory", tapes="yes")
+    assert not mg.is_patched() and not tape_routing.is_routing()
+
+
+def test_routing_ends_with_its_block_and_restores_tensorflow_s_methods():
+    before = {name: getattr(tf.GradientTape, name) for name in ("gradient", "watch")}
+    with mg.route_tapes("memory"):
+        with mg.patch("speed"):
+            assert tape_routing._innermost().checkpoints == "speed"
+        assert tape_routing._innermost().checkpoints == "memory"
+        assert tf.GradientTape.gradient is not before["gradient"]
+    assert not tape_routing.is_routing()
+    assert {name: getattr(tf.GradientTape, name) for name in before} == before
+
+
+def test_route_tapes_decorates_a_function(spy):
+    @tf.function
+    @mg.route_tapes("memory", fallback="error")
+    def step(x):
+        return _plain(tf.GradientTape, x)
+
+    assert_same_gradients(step(X), _run(_plain, None)[0])
+    assert spy and not tape_routing.is_routing()
+
+
+def test_patch_without_tapes_leaves_them_to_tensorflow(spy):
+    with mg.patch("memory", tapes=False):
+        got = tf.function(lambda x: _plain(tf.GradientTape, x))(X)
+    assert_same_gradients(got, _run(_plain, None)[0])
+    assert not spy
