@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -77,6 +77,82 @@ def loops_recomputed_inside(enabled: bool):
         _LOOPS_RECOMPUTED.reset(token)
 
 
+@dataclasses.dataclass
+class GradientsCalls:
+    """How many :func:`gradients` calls were made inside :func:`counting_gradients_calls`."""
+
+    calls: int = 0
+
+
+_GRADIENTS_CALLS: contextvars.ContextVar[GradientsCalls | None] = contextvars.ContextVar(
+    "memsave_grads_gradients_calls", default=None)
+
+
+@contextlib.contextmanager
+def counting_gradients_calls():
+    """Count the :func:`gradients` calls made inside (on this thread): a routed tape's, a
+    Keras step's, a patched ``tf.gradients``', a direct call. ``wrap_model`` tells with it
+    whether a model's own ``train_step`` computed any gradient through memsave_grads."""
+    counter = GradientsCalls()
+    token = _GRADIENTS_CALLS.set(counter)
+    try:
+        yield counter
+    finally:
+        _GRADIENTS_CALLS.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainGradients:
+    """Who computes a call's gradients where the rewrite would save nothing, in its place.
+
+    ``compute()`` returns the gradients of that one call, one per given x; ``name`` says who
+    computes them in the messages. A routed tape hands TensorFlow's own tape here: exact by
+    construction, where ``tf.gradients`` is not (from inside a cond branch, a while body or a
+    nested function it gives None for targets of an enclosing graph, which the tape
+    differentiates).
+    """
+
+    compute: Callable[[], list]
+    name: str
+
+
+#: Set by :func:`plain_gradients_by` around one call (see there).
+_PLAIN_GRADIENTS: contextvars.ContextVar[PlainGradients | None] = contextvars.ContextVar(
+    "memsave_grads_plain_gradients", default=None)
+
+
+@contextlib.contextmanager
+def plain_gradients_by(plain: PlainGradients):
+    """Inside it, the :func:`gradients` (or :func:`gradients_or_fallback`) call made there
+    has ``plain`` compute its gradients wherever it would otherwise compute plain
+    ``tf.gradients``: the never-worse rule, a fallback, a budget that no plan beats. The
+    rewrite's own gradient calls (a recomputed loop step's) do not see it."""
+    token = _PLAIN_GRADIENTS.set(plain)
+    try:
+        yield
+    finally:
+        _PLAIN_GRADIENTS.reset(token)
+
+
+def _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs: dict,
+                     plain: PlainGradients | None) -> list:
+    """The gradients without a rewrite: ``plain.compute()`` where the caller handed one in
+    (:func:`plain_gradients_by`), else ``tf.gradients`` where a stop at a function call's
+    output really stops (``tf_graph.gradients_stopped_at``), as it does in the rewrite, so
+    that the never-worse rule never changes an answer."""
+    if plain is not None:
+        # A patched tf.gradients that a gradient function calls meanwhile is another call.
+        token = _PLAIN_GRADIENTS.set(None)
+        try:
+            return plain.compute()
+        finally:
+            _PLAIN_GRADIENTS.reset(token)
+    kwargs = dict(tf_gradients_kwargs)
+    stops = kwargs.pop("stop_gradients", None)
+    stops = [] if stops is None else _validate.as_list(stops, "stop_gradients")
+    return tf_graph.gradients_stopped_at(ys, xs, grad_ys, stops, **kwargs)
+
+
 @contextlib.contextmanager
 def assume_batch_size(batch_size: int):
     """Plan the ``gradients()`` calls inside for batches of ``batch_size`` examples where the
@@ -103,23 +179,39 @@ def assume_batch_size(batch_size: int):
         yield
 
 
+#: Who the fallback's warnings name as the caller: ``gradients_or_fallback``'s callers
+#: (``patch()``, the Keras step, a routed tape) set it for their call.
+_CALLER: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "memsave_grads_caller", default="memsave_grads.gradients")
+
+
 @tf.autograph.experimental.do_not_convert
 def gradients(ys: Targets, xs: Sources, grad_ys: Targets | None = None,
-              checkpoints: Checkpoints = "collection", **tf_gradients_kwargs: Any) -> Gradients:
+              checkpoints: Checkpoints = "memory", fallback: str = "warn",
+              **tf_gradients_kwargs: Any) -> Gradients:
     """``tf.gradients(ys, xs, grad_ys)`` that recomputes forward activations to save memory.
 
     Keeps only the *checkpoint* tensors of the forward pass alive for the backward pass and
-    recomputes the rest, segment by segment, as backprop reaches them.
+    recomputes the rest, segment by segment, as backprop reaches them. With the defaults it is
+    a drop-in ``tf.gradients``: the same return value, a plan chosen automatically, and plain
+    ``tf.gradients`` (with one warning) wherever no plan is predicted to save memory, as
+    ``patch()``, ``GradientTape`` and ``wrap_model`` do.
 
     Args:
       ys: a tensor or list of tensors to differentiate.
       xs: a tensor, resource variable, or list of them.
       grad_ys: optional initial gradients, one per y (as in ``tf.gradients``).
-      checkpoints: what to keep. A strategy name: ``"collection"`` (tensors in the graph
-        collection ``"checkpoints"``), ``"speed"`` (outputs of matmul/conv/einsum ops),
-        ``"memory"`` (about sqrt(N) tensors that separate the graph, chosen automatically);
-        or a list of tensors; or a list of name patterns (globs over op names, or over tensor
-        names when they contain ``:``).
+      checkpoints: what to keep. ``"memory"`` (default: about sqrt(N) tensors that separate
+        the graph, chosen automatically for the lowest predicted peak); ``"speed"`` (outputs
+        of matmul/conv/einsum ops); a budget (``"budget:50%"``, :class:`Budget`);
+        ``"collection"`` (tensors in the graph collection ``"checkpoints"``, as the TF1
+        ``memory_saving_gradients`` defaulted to: pass it by name); or a list of tensors, or of
+        name patterns (globs over op names, or over tensor names when they contain ``:``).
+      fallback: ``"warn"`` (default): where the strategy finds nothing to keep or cannot
+        rewrite the graph (``NoCheckpointsFoundError``, ``UnsupportedGraphError``,
+        ``NotDifferentiableError``), log a warning and compute plain ``tf.gradients``; where a
+        budget is below every plan's predicted peak, plan for the smallest (one warning with
+        the numbers). ``"error"``: raise those errors instead.
       **tf_gradients_kwargs: passed on as in ``tf.gradients``: ``name``, ``gate_gradients``,
         ``aggregation_method``, ``stop_gradients``, ``unconnected_gradients``,
         ``colocate_gradients_with_ops``.
@@ -129,21 +221,39 @@ def gradients(ys: Targets, xs: Sources, grad_ys: Targets | None = None,
       ``None``) per x.
 
     Raises:
-      MemsaveGradsError subclasses (also ValueError/TypeError/RuntimeError) on bad input, and
-      ``NoCheckpointsFoundError`` when the strategy finds nothing to keep.
+      MemsaveGradsError subclasses (also ValueError/TypeError/RuntimeError) on bad input; with
+      ``fallback="error"``, ``NoCheckpointsFoundError`` when the strategy finds nothing to keep
+      and ``InfeasibleBudgetError`` for a budget no plan meets.
     """
+    _validate.check_fallback(fallback)
+    calls = _GRADIENTS_CALLS.get()
+    if calls is not None:
+        calls.calls += 1
+    if fallback == "warn":
+        return _gradients_falling_back(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
+    return _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
+
+
+def _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: dict) -> Gradients:
+    """:func:`gradients` with ``fallback="error"``: the plan through the rewrite, or plain
+    gradients where the never-worse rule says so; the strategy's errors raised."""
+    plain = _PLAIN_GRADIENTS.get()
     prepared = prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
     decision = selection.decide_schedule(prepared.selection, prepared.checkpoints, prepared.plan)
     # The calls the backward pass makes itself (a recomputed loop step's gradients) hold no
-    # weight gradients for an optimizer, whatever this call's caller said.
-    token = _GRADIENTS_HELD.set(False)
+    # weight gradients for an optimizer, and compute their own plain gradients, whatever this
+    # call's caller said.
+    held_token = _GRADIENTS_HELD.set(False)
+    plain_token = _PLAIN_GRADIENTS.set(None)
     try:
         if not decision.rewrite:  # design note "never worse"
-            _warn_plain_once(prepared.checkpoints.given, prepared, decision.reason)
-            return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
+            _warn_plain_once(prepared.checkpoints.given, prepared, decision.reason,
+                             "plain tf.gradients" if plain is None else plain.name)
+            return _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs, plain)
         return run_plan(prepared, prepared.plan)
     finally:
-        _GRADIENTS_HELD.reset(token)
+        _PLAIN_GRADIENTS.reset(plain_token)
+        _GRADIENTS_HELD.reset(held_token)
 
 
 #: (checkpoints, forward ops) of the calls already warned about: a model traced again, or
@@ -151,7 +261,7 @@ def gradients(ys: Targets, xs: Sources, grad_ys: Targets | None = None,
 _WARNED_PLAIN: set = set()
 
 
-def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str) -> None:
+def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by: str) -> None:
     """Tell the user, once per kind of call, that the strategy saves nothing here."""
     key = (repr(checkpoints)[:200], len(prepared.region))
     if key in _WARNED_PLAIN:
@@ -163,8 +273,9 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str) -> None:
         # is inside the loops, which plain tf.gradients differentiates as they are.
         logging.info(
             "memsave_grads: checkpoints=%.80r: outside its %d loop(s), whose steps recompute "
-            "inside, this graph of %d forward ops has nothing to save (%s); tf.gradients "
-            "differentiates it.", checkpoints, len(while_ops), len(prepared.region), reason)
+            "inside, this graph of %d forward ops has nothing to save (%s); %s "
+            "differentiates it.", checkpoints, len(while_ops), len(prepared.region), reason,
+            computed_by)
         return
     why_not = ("here loops are kept as they are built (wrap_model(..., "
                "recompute_cells=False))" if not _LOOPS_RECOMPUTED.get() else
@@ -177,9 +288,9 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str) -> None:
         "memsave_grads.recompute(step_fn) (docs/recurrent.md)." if while_ops else "")
     logging.warning(
         "memsave_grads: checkpoints=%.80r saves no memory on this graph of %d forward ops (%s); "
-        "plain tf.gradients computes its gradients, at tf.gradients' own peak.%s "
+        "%s computes its gradients, at tf.gradients' own peak.%s "
         "memsave_grads.explain(...) shows the plan.", checkpoints, len(prepared.region), reason,
-        loop_hint)
+        computed_by, loop_hint)
 
 
 def run_plan(prepared: "Prepared", plan: plan_lib.Plan) -> list:
@@ -256,10 +367,9 @@ class Prepared:
         outer = [i for i, x in enumerate(given_xs)
                  if not tf_graph.is_eager_tensor(x) and x.graph is not arguments.graph]
         if carried and outer:
-            further = tf_graph.ORIGINAL_GRADIENTS(
+            further = tf_graph.gradients_stopped_at(
                 [y for y, _ in carried], [given_xs[i] for i in outer],
-                grad_ys=[g for _, g in carried],
-                stop_gradients=arguments.user_stops or None, **arguments.tf_kwargs)
+                [g for _, g in carried], arguments.user_stops, **arguments.tf_kwargs)
             for i, g in zip(outer, further):
                 out[i] = stitch.aggregate([out[i], g], given_xs[i])
         if arguments.unconnected == tf.UnconnectedGradients.ZERO:
@@ -324,24 +434,34 @@ def _recomputes_loops(checkpoints: _validate.ParsedCheckpoints) -> bool:
 
 def gradients_or_fallback(ys, xs, grad_ys, checkpoints, fallback: str, caller: str,
                           **tf_gradients_kwargs):
-    """:func:`gradients`, or the original ``tf.gradients`` where the strategy has nothing to
-    gain or the graph cannot be rewritten (``errors.FALLBACK_ERRORS``): logged for
-    ``fallback="warn"``, raised for ``"error"``. A budget no plan meets
-    (``InfeasibleBudgetError``) gets, under ``"warn"``, the plan with the smallest predicted
-    peak and one warning stating the numbers."""
+    """:func:`gradients` with ``fallback``, its warnings naming ``caller`` (``patch()``, the
+    Keras step, a routed tape)."""
+    token = _CALLER.set(caller)
+    try:
+        return gradients(ys, xs, grad_ys, checkpoints=checkpoints, fallback=fallback,
+                         **tf_gradients_kwargs)
+    finally:
+        _CALLER.reset(token)
+
+
+def _gradients_falling_back(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: dict):
+    """``fallback="warn"``: :func:`gradients`, or the original ``tf.gradients`` (or whoever
+    :func:`plain_gradients_by` named) where the strategy has nothing to gain or the graph
+    cannot be rewritten (``errors.FALLBACK_ERRORS``), with a warning; a budget no plan meets
+    (``InfeasibleBudgetError``) gets the plan with the smallest predicted peak and one
+    warning stating the numbers."""
+    plain = _PLAIN_GRADIENTS.get()
+    caller = _CALLER.get()
     try:
         try:
-            return gradients(ys, xs, grad_ys, checkpoints=checkpoints, **tf_gradients_kwargs)
+            return _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
         except errors.InfeasibleBudgetError as exc:
-            if fallback == "error":
-                raise
             return _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, exc, caller,
                                                tf_gradients_kwargs)
     except errors.FALLBACK_ERRORS as exc:
-        if fallback == "error":
-            raise
-        logging.warning("%s: falling back to tf.gradients: %s", caller, exc)
-        return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
+        logging.warning("%s: falling back to %s: %s", caller,
+                        "tf.gradients" if plain is None else plain.name, exc)
+        return _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs, plain)
 
 
 #: Solves at the reported smallest peak before settling for plain tf.gradients: a heuristic
@@ -357,6 +477,8 @@ def _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, infeasible, caller
     with the numbers; a training loop goes on with the least memory we can offer."""
     parsed = _validate.check_checkpoints(checkpoints)  # a budget, as gradients() parsed it
     asked, checkpoints = parsed.budget, parsed.given
+    plain = _PLAIN_GRADIENTS.get()
+    computed_by = "plain tf.gradients" if plain is None else plain.name
     plain_bytes = infeasible.plain_peak_bytes
 
     def mib(nbytes):  # the numbers one message compares, in one unit
@@ -377,25 +499,27 @@ def _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, infeasible, caller
     for _ in range(SMALLEST_PEAK_ATTEMPTS):
         retry = budgets.smallest_peak_budget(error, asked)
         if retry is None:
-            warn(error, "no plan is predicted to peak below plain tf.gradients here, so it "
-                 "computes these gradients.")
-            return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
+            warn(error, "no plan is predicted to peak below plain tf.gradients here, so "
+                 f"{computed_by} computes these gradients.")
+            return _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs, plain)
         try:
-            grads = gradients(ys, xs, grad_ys, checkpoints=retry, **tf_gradients_kwargs)
+            grads = gradients(ys, xs, grad_ys, checkpoints=retry, fallback="error",
+                              **tf_gradients_kwargs)
         except errors.InfeasibleBudgetError as again:
             error = again
             continue
         warn(error, "planned for that peak instead.")
         return grads
     warn(error, f"the solver found no plan at that peak in {SMALLEST_PEAK_ATTEMPTS} attempts, "
-         "so plain tf.gradients computes these gradients.")
-    return tf_graph.ORIGINAL_GRADIENTS(ys, xs, grad_ys, **tf_gradients_kwargs)
+         f"so {computed_by} computes these gradients.")
+    return _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs, plain)
 
 
 def _shortcut(strategy: str):
     @tf.autograph.experimental.do_not_convert
-    def shortcut(ys, xs, grad_ys=None, **tf_gradients_kwargs):
-        return gradients(ys, xs, grad_ys, checkpoints=strategy, **tf_gradients_kwargs)
+    def shortcut(ys, xs, grad_ys=None, fallback="warn", **tf_gradients_kwargs):
+        return gradients(ys, xs, grad_ys, checkpoints=strategy, fallback=fallback,
+                         **tf_gradients_kwargs)
 
     shortcut.__name__ = f"gradients_{strategy}"
     shortcut.__qualname__ = shortcut.__name__

@@ -134,7 +134,9 @@ def patch(checkpoints: api.Checkpoints = "memory", fallback: str = "warn",
     ``tf.GradientTape.gradient`` inside graphs (``tf.function``, Keras' traced steps, v1
     graphs) for tapes entered while patched, with the tape's exact semantics (see
     :func:`memsave_grads.route_tapes`). Use as ``patch(...)`` ... ``unpatch()``, or
-    ``with patch(...):``.
+    ``with patch(...):``. It acts on graphs traced while patched: a ``tf.function`` traced
+    before keeps its gradients when it runs again (a Keras model that ran ``fit`` before:
+    call ``model.make_train_function(force=True)``).
 
     Args:
       checkpoints: as in :func:`memsave_grads.gradients`.

@@ -14,7 +14,8 @@ persistent tapes, ``output_gradients``, ``unconnected_gradients``, nested tapes)
 
 What cannot be routed exactly runs TensorFlow's own tape, with one warning per kind: eager
 execution, ``jacobian`` and ``batch_jacobian``, a tape entered before routing began, and the
-rare calls the tape's record does not settle (see ``_tf.tape_record.tape_view``).
+rare calls the tape's record does not settle (see ``_tf.tape_record.tape_view``); so does a
+gradient where the strategy saves nothing (instead of plain ``tf.gradients``).
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from memsave_grads._tf import tape_record
 @dataclasses.dataclass(eq=False)
 class Routing:
     """How routed tapes compute their gradients: ``gradients()``'s ``checkpoints``, and the
-    ``fallback`` of a patched call (``"warn"``: plain tf.gradients where the strategy has
-    nothing to save). ``caller`` names the entry point in messages; ``gradients_held`` plans
-    for an optimizer that applies every gradient together (Keras)."""
+    ``fallback`` of a patched call (``"warn"``: TensorFlow's own tape where the strategy
+    cannot rewrite the graph). ``caller`` names the entry point in messages;
+    ``gradients_held`` plans for an optimizer that applies every gradient together (Keras)."""
 
     checkpoints: Any
     fallback: str
@@ -111,15 +112,18 @@ class route_tapes(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     None for what the tape did not record, ``IndexedSlices``, errors) with
     :func:`memsave_grads.gradients` (design note "tape routing"). A tape must be entered while
     the routing is active; one entered before runs TensorFlow's own tape, as do eager tapes,
-    ``jacobian`` and ``batch_jacobian`` (one warning per kind). The routing is process-wide
+    ``jacobian`` and ``batch_jacobian`` (one warning per kind). A function traced before the
+    routing began keeps TensorFlow's tape when it runs again (a Keras model that ran ``fit``
+    before: ``model.make_train_function(force=True)``). The routing is process-wide
     while active (``tf.distribute`` traces each replica in a thread of its own); blocks nest,
     the innermost one in effect.
 
     Args:
       checkpoints: as in :func:`memsave_grads.gradients` (default ``"memory"``).
       fallback: ``"warn"`` (default): where the strategy finds nothing to keep or cannot
-        rewrite the graph, plain ``tf.gradients`` over the tape's ops computes the gradient,
-        with one warning; ``"error"``: raise.
+        rewrite the graph, TensorFlow's own tape computes the gradient, with one warning;
+        ``"error"``: raise. (Where the strategy's plan would save nothing, TensorFlow's tape
+        computes it under either, with one warning.)
 
     Raises:
       UnknownStrategyError, InvalidArgumentError, InvalidTypeError: a ``checkpoints`` or
@@ -188,10 +192,6 @@ class GradientTape(tf.GradientTape):
         tape_record.push(self, tape_record.OWN_CLASS)
 
     @_not_converted
-    def _pop_tape(self):
-        tape_record.pop(self)
-
-    @_not_converted
     def watch(self, tensor):
         tape_record.watch(self, tensor)
 
@@ -220,7 +220,8 @@ _NOTICED: set[str] = set()
 
 
 def _notice(kind: str, why: str) -> None:
-    """One warning per kind of call that TensorFlow's own tape computes while routed."""
+    """One warning per kind of call that TensorFlow's own tape computes while routed (the
+    first call's ``why`` is the one said)."""
     if kind in _NOTICED:
         return
     _NOTICED.add(kind)
@@ -277,18 +278,35 @@ def _gradient(tape, routing: Routing | None, target, sources, output_gradients,
         return by_tensorflow("gradient of these dtypes", why)
     view = tape_record.tape_view(tape, log, targets, sources_flat)
     if view.reason is not None:
-        return by_tensorflow("gradient the tape's record does not settle", view.reason)
+        return by_tensorflow(view.kind, view.reason)
     kwargs = dict(stop_gradients=view.stops, unconnected_gradients=unconnected)
     try:
         _validate.check_arguments(targets, sources_flat, grad_ys, dict(kwargs))
     except errors.MemsaveGradsError as e:
         # TensorFlow's tape decides what such arguments give, or raises its own error.
         return by_tensorflow("gradient with arguments memsave_grads.gradients refuses", str(e))
+
+    computed_by_tensorflow = []
+
+    def by_tensorflow_flat() -> list:
+        # Where gradients() would compute plain tf.gradients (its never-worse rule, a
+        # fallback), TensorFlow's tape computes instead: the same memory, and exact where
+        # tf.gradients is not (called inside a cond branch, a while body or a nested function,
+        # it gives None for targets of an enclosing graph, which the tape differentiates).
+        # Its sources as given (variables, not their handles): it makes the zeros of
+        # unconnected_gradients="zero" from them.
+        computed_by_tensorflow.append(True)
+        grads_as_given = tape_record.ORIGINAL_METHODS["gradient"](
+            tape, targets, raw_sources, grad_ys, unconnected)
+        return tape_record.flat_gradients(raw_sources, grads_as_given)
+
+    plain = api.PlainGradients(by_tensorflow_flat, "TensorFlow's own tape")
     held = api.gradients_applied_together() if routing.gradients_held else contextlib.nullcontext()
-    with tape_record.building_gradients(), held:
+    with tape_record.building_gradients(), held, api.plain_gradients_by(plain):
         grads = api.gradients_or_fallback(targets, sources_flat, grad_ys, routing.checkpoints,
                                           routing.fallback, routing.caller, **kwargs)
-    tape_record.release_after_gradient(tape)
+    if not computed_by_tensorflow:  # TensorFlow's gradient released its tape itself
+        tape_record.release_after_gradient(tape)
     return tape_record.pack_gradients(sources, raw_sources, grads)
 
 
@@ -316,11 +334,6 @@ def _push_tape_hook(self):
 
 
 @_not_converted
-def _pop_tape_hook(self):
-    tape_record.pop(self)
-
-
-@_not_converted
 def _watch_hook(self, tensor):
     tape_record.watch(self, tensor)
 
@@ -342,7 +355,6 @@ def _jacobian_hook(method: str) -> Callable:
 
 _CLASS_HOOKS = {
     "_push_tape": _push_tape_hook,
-    "_pop_tape": _pop_tape_hook,
     "watch": _watch_hook,
     "gradient": _gradient_hook,
     "jacobian": _jacobian_hook("jacobian"),

@@ -1,6 +1,7 @@
 """A budget below every plan's predicted peak under patch()/wrap_model (issue 14, item 7):
 fallback="warn" plans for the smallest predicted peak and says so once, with the numbers;
-fallback="error" and direct calls raise InfeasibleBudgetError."""
+fallback="error" raises InfeasibleBudgetError; so does a direct call given fallback="error", and
+with the default ("warn") it plans for the smallest peak as patch() does."""
 
 import logging
 import re
@@ -37,7 +38,7 @@ def _mib(nbytes):
 def test_patched_infeasible_budget_plans_the_smallest_peak(graph, session, spy, caplog, budget):
     xs, loss = _chain()
     with pytest.raises(mg.InfeasibleBudgetError) as info:
-        mg.gradients(loss, xs, checkpoints=budget)  # a direct call still raises
+        mg.gradients(loss, xs, checkpoints=budget, fallback="error")
     error = info.value
     assert 0 < error.budget_bytes < error.min_feasible_bytes < error.plain_peak_bytes
     assert isinstance(error, ValueError)
@@ -73,7 +74,7 @@ def test_where_no_plan_beats_tf_gradients_it_falls_back(graph, session, caplog):
     x = tf.constant(np.linspace(-2, 2, 16 * 64, dtype=np.float32).reshape(16, 64), name="x")
     loss = tf.reduce_sum(tf.tanh(tf.tanh(x)))
     with pytest.raises(mg.InfeasibleBudgetError) as info:
-        mg.gradients(loss, x, checkpoints=mg.Budget(fraction=0.1))
+        mg.gradients(loss, x, checkpoints=mg.Budget(fraction=0.1), fallback="error")
     assert info.value.min_feasible_bytes >= info.value.plain_peak_bytes
     before = len(graph.get_operations())
     with caplog.at_level(logging.WARNING), mg.patch(mg.Budget(fraction=0.1)):
@@ -109,7 +110,7 @@ def test_smallest_peak_budget_resolves_to_the_smallest_peak_exactly():
 def test_infeasible_budget_error_states_the_plain_peak(graph):
     xs, loss = _chain(layers=6)
     with pytest.raises(mg.InfeasibleBudgetError) as info:
-        mg.gradients(loss, xs, checkpoints="budget:1%")
+        mg.gradients(loss, xs, checkpoints="budget:1%", fallback="error")
     share = info.value.min_feasible_bytes / info.value.plain_peak_bytes
     assert re.search(rf"{share:.1%} of plain tf.gradients'", str(info.value))
     # The remedy in the user's terms: the smallest whole percentage, which is feasible.
@@ -146,11 +147,21 @@ def test_wrap_model_lstm_trains_under_an_infeasible_budget(caplog):
     assert_grads_close(got, fitted(wrap=False))
 
 
+def test_a_direct_call_by_default_plans_for_the_smallest_peak(graph, session, caplog):
+    xs, loss = _chain()
+    with caplog.at_level(logging.WARNING):
+        got = mg.gradients(loss, xs, checkpoints="budget:1%")
+    messages = _warnings(caplog)
+    assert len(messages) == 1 and "memsave_grads.gradients: checkpoints='budget:1%'" in \
+        messages[0] and "planned for that peak instead" in messages[0], messages
+    assert_grads_close(session.run(got), session.run(tf.gradients(loss, xs)))
+
+
 def test_infeasible_budget_keeps_its_type_through_autograph():
     @tf.function
     def step(x):
         h = tanh_layers(x, 8, scale=1.1)
-        return mg.gradients(tf.reduce_sum(h), x, checkpoints="budget:1%")
+        return mg.gradients(tf.reduce_sum(h), x, checkpoints="budget:1%", fallback="error")
 
     with pytest.raises(mg.InfeasibleBudgetError, match="below the smallest peak"):
         step(tf.ones([4, 4]))

@@ -229,7 +229,7 @@ def test_infeasible_budget_error_adds_no_ops(graph):
     _, loss, weights = _mlp()
     before = len(graph.get_operations())
     with pytest.raises(mg.InfeasibleBudgetError) as info:
-        mg.gradients(loss, weights, checkpoints="budget:1KiB")
+        mg.gradients(loss, weights, checkpoints="budget:1KiB", fallback="error")
     assert len(graph.get_operations()) == before
     assert isinstance(info.value, ValueError) and "budget of 1 KiB" in str(info.value)
     feasible = mg.Budget(bytes=info.value.min_feasible_bytes)

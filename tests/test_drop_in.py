@@ -165,6 +165,38 @@ def test_function_calls_in_the_forward_pass(strategy, jit_compile, graph, sessio
     assert_grads_close(*session.run([actual, expected]))
 
 
+@pytest.mark.parametrize("path", ["rewrite", pytest.param("plain", marks=pytest.mark.never_worse)])
+@pytest.mark.parametrize("call", ["PartitionedCall", "StatefulPartitionedCall"])
+def test_a_function_call_s_output_in_stop_gradients_stops(call, path, graph, session, rewrites):
+    """``stop_gradients=[h]`` where ``h`` is a tf.function call's output: ``h`` is a constant,
+    as stop_gradients promises. tf.gradients itself (TF 2.21) finds no gradient function for
+    a stop op and differentiates the call with a SymbolicGradient op all the same: the
+    through-the-call values for a PartitionedCall, an error when run for a
+    StatefulPartitionedCall. The rewrite and the plain path (the never-worse rule) agree."""
+    x = tf.constant(np.linspace(-1, 1, 24).reshape(6, 4), name="x")
+    w = tf.constant(np.eye(4) * 0.5 + 0.1, name="w")
+    v = tf.compat.v1.Variable(np.eye(4) * 0.3 + 0.05, use_resource=True, name="v")
+
+    @tf.function
+    def encode(h, weight):
+        kernel = weight if call == "PartitionedCall" else v  # reading v makes the call stateful
+        return tf.tanh(tf.matmul(h, kernel))
+
+    encoded = encode(x, w)
+    assert encoded.op.type == call
+    weights = [tf.constant(np.eye(4) * 0.4 + 0.02 * i) for i in range(4)]
+    xs = [x, w, v] + weights
+    loss = _residual(encoded + x, weights[0]) + _residual(x, weights[1], depth=2)
+    expected = tf.gradients(_residual(tf.stop_gradient(encoded) + x, weights[0])
+                            + _residual(x, weights[1], depth=2), xs)
+    actual = mg.gradients(loss, xs, checkpoints="speed", stop_gradients=[encoded])
+    assert (max(rewrites, default=0) > 0) == (path == "rewrite")
+    session.run(tf.compat.v1.global_variables_initializer())
+    assert [g is None for g in actual] == [g is None for g in expected]  # w, v: via the call
+    assert_grads_close(*session.run([[g for g in actual if g is not None],
+                                     [g for g in expected if g is not None]]), rtol=1e-10)
+
+
 def test_speed_keeps_calls_of_functions_that_run_a_matmul(graph):
     @tf.function
     def block(h, w):

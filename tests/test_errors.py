@@ -54,7 +54,7 @@ def test_checkpoint_not_between_xs_and_ys(chain):
     graph, x, _, y = chain
     off_path = tf.sin(tf.constant([1.0, 2.0]), name="off_path")
     _raises(graph, mg.CheckpointNotOnPathError, "not on any path from xs to ys",
-            lambda: mg.gradients(y, x, checkpoints=[off_path]))
+            lambda: mg.gradients(y, x, checkpoints=[off_path], fallback="error"))
 
 
 @pytest.mark.parametrize("which", ["x", "y"])
@@ -89,7 +89,7 @@ def test_integer_or_boolean_ys_and_xs(chain, which, dtype):
     ys, xs = (discrete, x) if which == "ys" else (y, discrete)
     err = _raises(graph, mg.NotDifferentiableError,
                   rf"{which}: expected at least one floating-point.*{dtype.name}.*tf.cast",
-                  lambda: mg.gradients(ys, xs, checkpoints="memory"))
+                  lambda: mg.gradients(ys, xs, checkpoints="memory", fallback="error"))
     assert isinstance(err, ValueError)
     # Patched, it falls back to tf.gradients, which returns None for it, like unpatched code.
     with mg.patch(checkpoints="memory"):
@@ -136,7 +136,7 @@ def test_malformed_name_pattern(chain, pattern):
 def test_pattern_matching_nothing(chain):
     graph, x, _, y = chain
     _raises(graph, mg.CheckpointNotOnPathError, "matches no forward op",
-            lambda: mg.gradients(y, x, checkpoints=["no_such_op*"]))
+            lambda: mg.gradients(y, x, checkpoints=["no_such_op*"], fallback="error"))
 
 
 def test_non_tensor_checkpoint(chain):
@@ -148,21 +148,32 @@ def test_non_tensor_checkpoint(chain):
 def test_empty_collection(chain):
     graph, x, _, y = chain
     _raises(graph, mg.NoCheckpointsFoundError, "add_to_collection",
-            lambda: mg.gradients(y, x, checkpoints="collection"))
+            lambda: mg.gradients(y, x, checkpoints="collection", fallback="error"))
 
 
 def test_speed_without_expensive_ops(graph):
     x = tf.constant([1.0, 2.0])
     y = tf.reduce_sum(tf.tanh(tf.sin(x)))
     _raises(graph, mg.NoCheckpointsFoundError, "no matmul",
-            lambda: mg.gradients(y, x, checkpoints="speed"))
+            lambda: mg.gradients(y, x, checkpoints="speed", fallback="error"))
 
 
 def test_memory_without_a_useful_cut(graph):
     x = tf.constant([1.0, 2.0])
     y = tf.reduce_sum(x)  # the only forward op is the one producing y
     _raises(graph, mg.NoCheckpointsFoundError, "no cut of the 1 forward ops",
-            lambda: mg.gradients(y, x, checkpoints="memory"))
+            lambda: mg.gradients(y, x, checkpoints="memory", fallback="error"))
+
+
+@pytest.mark.parametrize("checkpoints", ["collection", ["no_such_op*"]])
+def test_by_default_a_strategy_with_nothing_to_keep_warns_and_computes_tf_gradients(
+        chain, checkpoints, caplog):
+    graph, x, _, y = chain
+    with caplog.at_level("WARNING"):
+        got = mg.gradients(y, x, checkpoints=checkpoints)
+    assert "memsave_grads.gradients: falling back to tf.gradients" in caplog.text
+    with tf.compat.v1.Session(graph=graph) as session:
+        np.testing.assert_allclose(session.run(got), session.run(tf.gradients(y, x)))
 
 
 def test_unknown_keyword(chain):
@@ -197,7 +208,7 @@ def test_v1_control_flow_is_refused(graph):
             control_flow_v2_toggles.enable_control_flow_v2()
     y = tf.reduce_sum(tf.tanh(z))
     _raises(graph, mg.UnsupportedGraphError, "enable_control_flow_v2",
-            lambda: mg.gradients(y, x, checkpoints=[h]))
+            lambda: mg.gradients(y, x, checkpoints=[h], fallback="error"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,11 @@ import pytest
 import tensorflow as tf
 
 import memsave_grads as mg
+from memsave_grads import api
 from memsave_grads import tape as tape_routing
+from memsave_grads._tf import tape_record
+# TensorFlow's thread-wide stop, which its own code uses (tf.recompute_grad's forward pass).
+from tensorflow.python.eager import record as tensorflow_record
 
 DTYPE = tf.float64
 RTOL = 1e-10
@@ -109,6 +113,16 @@ def watched_after_stop(Tape, x):
         with tape.stop_recording():
             h = chain(x, WS[:2])
         tape.watch(h)  # a leaf: its op was made while the tape was stopped
+        loss = loss_of(chain(h, WS[2:]))
+    return tape.gradient(loss, [x, h, WS])
+
+
+def watched_after_a_thread_wide_stop(Tape, x):
+    with Tape() as tape:
+        tape.watch(x)
+        with tensorflow_record.stop_recording():  # every tape of the thread, not this one's
+            h = x + chain(x, WS[:2])
+        tape.watch(h)  # a leaf: no tape recorded its op, though it reads the watched x
         loss = loss_of(chain(h, WS[2:]))
     return tape.gradient(loss, [x, h, WS])
 
@@ -246,12 +260,54 @@ def control_flow_and_calls(Tape, x):
     return [tape.gradient(loss, WS), tape.gradient(loss, x, unconnected_gradients="zero")]
 
 
+@tf.function
+def _frozen_encoder(h):
+    return chain(h, WS[:2])  # reads two variables: a StatefulPartitionedCall
+
+
+def call_before_the_with_block(Tape, x):
+    """A nested function called before the tape: its output is a constant to the tape, its
+    variables get None, and ``x``, which it reads too, gets only the path the tape recorded
+    (``tf.gradients`` differentiates a call named in ``stop_gradients`` all the same)."""
+    encoded = _frozen_encoder(x)
+    with Tape() as tape:
+        tape.watch(x)
+        loss = loss_of(chain(encoded + x, WS[2:]))
+    return tape.gradient(loss, [x, WS])
+
+
+def gradient_inside_a_cond_branch(Tape, x):
+    """The tape and its target outside, the gradient in a branch ("skip the update when the
+    loss is not finite")."""
+    with Tape() as tape:
+        loss = loss_of(chain(x, WS))
+    return tf.cond(tf.math.is_finite(loss), lambda: tape.gradient(loss, WS),
+                   lambda: [tf.zeros_like(w) for w in WS])
+
+
+def gradient_inside_a_while_body(Tape, x):
+    with Tape(persistent=True) as tape:
+        loss = loss_of(chain(x, WS))
+
+    def body(i, total):
+        return i + 1, total + tape.gradient(loss, WS[0]) * tf.cast(i + 1, DTYPE)
+
+    return tf.while_loop(lambda i, _: i < 2, body, [tf.constant(0), tf.zeros_like(WS[0])])[1]
+
+
+def gradient_inside_a_nested_function(Tape, x):
+    with Tape() as tape:
+        loss = loss_of(chain(x, WS))
+    return tf.function(lambda: tape.gradient(loss, WS))()
+
+
 CASES = [target_made_after_the_block, before_the_with_block, stop_recording, watched_input,
          unwatched_input, watched_leaf, watched_intermediate, watched_after_stop,
-         watch_accessed_variables_off,
+         watched_after_a_thread_wide_stop, watch_accessed_variables_off,
          persistent_twice, persistent_inside_its_context, output_gradients, unconnected_zero,
          gradient_penalty, third_order, reset, sparse, nested_structures, ragged_source,
-         control_flow_and_calls]
+         control_flow_and_calls, call_before_the_with_block, gradient_inside_a_cond_branch,
+         gradient_inside_a_while_body, gradient_inside_a_nested_function]
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,6 +380,42 @@ def test_same_gradients_as_the_tape(case, checkpoints, way, spy):
     if checkpoints == "speed" and case is not target_made_after_the_block:
         # "speed" keeps the matmuls and recomputes the rest of what the tape recorded
         assert _copies(graph) > 0, "nothing was recomputed"
+
+
+#: Cases where plain tf.gradients with the tape's stops was not the tape: the gradient taken
+#: inside a branch, a loop body or a nested function gave None for the tape's target outside,
+#: and a call the tape did not record was differentiated.
+_NOT_PLAIN_GRADIENTS = [gradient_inside_a_cond_branch, gradient_inside_a_while_body,
+                        gradient_inside_a_nested_function, call_before_the_with_block]
+
+
+def _computed_by_tensorflow_s_tape(case, checkpoints, spy, messages, said: str):
+    got, graph = _run(case, "route_tapes", checkpoints, fallback="warn")
+    assert_same_gradients(got, _reference(case))
+    assert spy and _copies(graph) == 0
+    assert any(said in m and "TensorFlow's own tape" in m for m in messages()), messages()
+
+
+@pytest.mark.never_worse
+@pytest.mark.parametrize("case", _NOT_PLAIN_GRADIENTS, ids=lambda c: c.__name__)
+def test_where_the_plan_saves_nothing_tensorflow_s_tape_computes(case, spy, caplog,
+                                                                 monkeypatch):
+    """On these small graphs the never-worse rule leaves "speed"'s gradient unrewritten:
+    TensorFlow's tape computes it, not plain tf.gradients, with the strategy's warning."""
+    monkeypatch.setattr(api, "_WARNED_PLAIN", set())  # said once per kind of graph
+    caplog.set_level(logging.WARNING)
+    _computed_by_tensorflow_s_tape(case, "speed", spy, lambda: caplog.messages,
+                                   "saves no memory")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_where_the_strategy_falls_back_tensorflow_s_tape_computes(case, spy, caplog):
+    """A name pattern that matches nothing falls back (``fallback="warn"``) on every case:
+    TensorFlow's tape computes, and its results come back as the tape gives them (None,
+    zeros for unconnected variables, IndexedSlices, composite sources, structures)."""
+    caplog.set_level(logging.WARNING)
+    _computed_by_tensorflow_s_tape(case, ["no_such_op*"], spy, lambda: caplog.messages,
+                                   "falling back to")
 
 
 @pytest.mark.parametrize("case", ["plain", "gradient_penalty"])
@@ -494,6 +586,52 @@ def test_an_untracked_source_read_by_a_recorded_op_is_tensorflow_s(notices):
     got = _run(untracked_source, "patch")[0]
     assert_same_gradients(got, _run(untracked_source, None)[0])
     assert len(notices()) == 1 and "does not track" in notices()[0]
+
+
+@tf.RegisterGradient("MemsaveGradsTestHalfGradient")
+def _half_gradient(op, grad):
+    return 0.5 * grad * (1.0 - op.outputs[0] * op.outputs[0])
+
+
+def _overridden_tanh(Tape, x):
+    """TF1-style guided backprop: ``tf.gradients`` follows ``gradient_override_map``, the tape
+    looks gradient functions up by op type and does not."""
+    with Tape() as tape:
+        h = chain(x, WS[:3])
+        with tf.compat.v1.get_default_graph().gradient_override_map(
+                {"Tanh": "MemsaveGradsTestHalfGradient"}):
+            h = tf.tanh(h)
+        loss = loss_of(chain(h, WS[3:]))
+    return tape.gradient(loss, WS)
+
+
+def test_a_gradient_override_is_tensorflow_s_with_one_notice(notices, spy):
+    got = _run(_overridden_tanh, "patch")[0]
+    assert_same_gradients(got, _run(_overridden_tanh, None)[0])
+    assert not spy
+    assert len(notices()) == 1 and "gradient_override_map" in notices()[0], notices()
+
+
+def test_each_reason_for_tensorflow_s_tape_is_noticed_once(notices):
+    def untracked_source(Tape, x):
+        a = chain(x, WS[:2])
+        with Tape() as tape:
+            loss = loss_of(chain(a, WS[2:]))
+        return tape.gradient(loss, [a] + WS)
+
+    for case in [untracked_source, _overridden_tanh] * 2:
+        _run(case, "route_tapes")
+    said = notices()
+    assert len(said) == 2, said
+    assert "does not track" in said[0] and "gradient_override_map" in said[1], said
+
+
+def test_a_persistent_tape_s_gradient_inside_its_context_warns_as_tensorflow_s(monkeypatch):
+    warned = []
+    monkeypatch.setattr(tape_record.tf_logging, "log_first_n",
+                        lambda level, message, n, *args: warned.append(message))
+    _run(persistent_inside_its_context, "route_tapes")
+    assert len(warned) == 1 and "persistent tape inside its context" in warned[0], warned
 
 
 # --------------------------------------------------------------------------------------------

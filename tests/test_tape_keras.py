@@ -123,6 +123,45 @@ def test_a_calibrated_budget_measures_the_own_train_step(monkeypatch, spy):
     np.testing.assert_allclose(history.history["objective"], want_losses, rtol=1e-5)
 
 
+def _step_class(keras, how: str):
+    """A model whose own train_step takes its gradients ``how``: with tf.gradients (which
+    wrap_model does not route), or through memsave_grads itself."""
+
+    class OwnGradients(keras.Model):
+        def train_step(self, data):
+            if how == "keras_train_step":
+                return mg.keras.train_step(self, data)
+            x, y = data
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+            variables = self.trainable_variables
+            handles = [getattr(v, "value", v) for v in variables]  # Keras 3 wraps tf.Variables
+            grads = (tf.gradients(loss, handles) if how == "tf.gradients"
+                     else mg.gradients(loss, handles, checkpoints="memory"))
+            self.optimizer.apply_gradients(zip(grads, variables))
+            return {"objective": loss}
+
+    return OwnGradients
+
+
+@pytest.mark.parametrize("how", ["tf.gradients", "mg.gradients", "keras_train_step"])
+def test_own_train_step_computing_nothing_through_memsave_grads_is_said(how, caplog):
+    x, y = _data()
+    cls = _step_class(keras3, how)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):  # said once per class
+            model = _build(keras3, cls)
+            mg.wrap_model(model, "memory")
+            model.fit(x, y, epochs=1, batch_size=BATCH, verbose=0)
+    said = [m for m in caplog.messages if "computed no gradient through memsave_grads" in m]
+    assert len(said) == (1 if how == "tf.gradients" else 0), caplog.messages
+    if how != "tf.gradients":
+        return
+    model = _build(keras3, cls)
+    mg.wrap_model(model, "memory", fallback="error")
+    with pytest.raises(mg.InvalidArgumentError, match="OwnGradients.train_step computed no"):
+        model.fit(x, y, epochs=1, batch_size=BATCH, verbose=0)
+
+
 def test_own_train_step_and_early_release_are_refused_together():
     model = _build(keras3, _custom_model_class(keras3, penalty=False))
     with pytest.raises(mg.InvalidArgumentError, match="release_gradients_early"):

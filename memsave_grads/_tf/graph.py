@@ -111,16 +111,18 @@ def _no_gradient(op, *unused_output_grads):
 
 def gradients_stopped_at(ys, sources, grad_ys, stops, **tf_gradients_kwargs) -> list:
     """``ORIGINAL_GRADIENTS(ys, sources, grad_ys, stop_gradients=stops)``, where backprop
-    really ends at every source.
+    really ends at every stop.
 
     tf.gradients does not stop at a function call op named in ``stop_gradients``: with no
     gradient function looked up for a stop op, it differentiates the call with a
-    ``SymbolicGradient`` op anyway, so a partial of an input of the call would also get the
-    path through the call (measured: wrong values, design note "boundaries"). For the duration
-    of this call such a source's op gets a gradient function that returns None instead, and is
-    a plain source rather than a stop.
+    ``SymbolicGradient`` op anyway, so the path through the call is taken after all (measured
+    on TF 2.21: the through-the-call values for a ``PartitionedCall``, a run-time
+    ``NotFoundError`` or ``InvalidArgumentError`` for a ``StatefulPartitionedCall``; design
+    note "boundaries"). For the duration of this call such a stop's op gets a gradient
+    function that returns None instead, and is left out of ``stop_gradients``: the gradient
+    of a stop (a source too) is still what reaches it, and nothing goes beyond it.
     """
-    calls = {t.op for t in sources if is_function_call(t.op)}
+    calls = {t.op for t in stops if is_function_call(t.op)}
     stops = [t for t in stops if t.op not in calls]
     saved = [(op, op._gradient_function) for op in calls]  # pylint: disable=protected-access
     try:
@@ -443,6 +445,28 @@ def _op_types_in_functions(graph, names: Sequence[str]) -> list[str]:
     return [node.op for name in found for node in nodes_of[name]]
 
 
+#: The attribute ``Graph.gradient_override_map`` sets on the ops made inside it: the op type
+#: whose registered gradient function tf.gradients uses instead of the op's own type's.
+_GRADIENT_OVERRIDE_ATTR = "_gradient_op_type"
+#: How the op types ``tf.custom_gradient`` registers for its IdentityN begin
+#: (``custom_gradient.generate_name``).
+_CUSTOM_GRADIENT_PREFIX = "CustomGradient-"
+
+
+def gradient_override(op: tf.Operation) -> str | None:
+    """The op type whose gradient tf.gradients uses for ``op`` instead of its own, given by
+    ``Graph.gradient_override_map`` (``tf.custom_gradient`` uses it too); None without one."""
+    try:
+        return op.get_attr(_GRADIENT_OVERRIDE_ATTR).decode()
+    except ValueError:
+        return None
+
+
+def is_custom_gradient_override(op_type: str) -> bool:
+    """Whether a gradient override is ``tf.custom_gradient``'s own."""
+    return op_type.startswith(_CUSTOM_GRADIENT_PREFIX)
+
+
 def loop_body_has_custom_gradient(loop: tf.Operation) -> bool:
     """Whether the body of a while op holds a ``tf.custom_gradient`` (``recompute()``, or
     ``tf.recompute_grad``): then its gradient need not store every tensor of every iteration."""
@@ -450,8 +474,8 @@ def loop_body_has_custom_gradient(loop: tf.Operation) -> bool:
         nodes = _function_nodes(loop.graph, loop.get_attr("body").name)
     except (AttributeError, ValueError):
         return False
-    return any(node.attr["_gradient_op_type"].s.startswith(b"CustomGradient")
-               for node in nodes if "_gradient_op_type" in node.attr)
+    return any(is_custom_gradient_override(node.attr[_GRADIENT_OVERRIDE_ATTR].s.decode())
+               for node in nodes if _GRADIENT_OVERRIDE_ATTR in node.attr)
 
 
 #: Ops that run function graphs named in their attributes: calls, conds, switch cases, loops.

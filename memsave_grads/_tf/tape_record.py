@@ -2,7 +2,7 @@
 
 The TensorFlow side of tape routing (design note "tape routing" in docs/design.md; the public
 side is :mod:`memsave_grads.tape`). It holds the tape methods as TensorFlow defines them, the
-per-tape log of recording windows and watches that the hooks keep, the thread-isolated query of
+per-tape log of watches that the hooks keep, the thread-isolated query of
 TensorFlow's C++ tape, the flattening of targets and sources exactly as
 ``GradientTape.gradient`` does it, and :func:`tape_view`: which ops of a graph the tape
 recorded, as the ``stop_gradients`` that make ``tf.gradients`` see only those.
@@ -19,6 +19,7 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop
 from tensorflow.python.framework import composite_tensor_gradient
+from tensorflow.python.platform import tf_logging
 from tensorflow.python.util import nest
 from tensorflow.python.util import variable_utils
 
@@ -26,7 +27,7 @@ from memsave_grads._tf import graph as tf_graph
 
 #: The methods of ``tf.GradientTape`` that routing replaces (on the class, while a routing is
 #: active; :class:`memsave_grads.GradientTape` overrides them itself).
-HOOKED_METHODS = ("_push_tape", "_pop_tape", "watch", "gradient", "jacobian", "batch_jacobian")
+HOOKED_METHODS = ("_push_tape", "watch", "gradient", "jacobian", "batch_jacobian")
 
 #: Those methods as TensorFlow defines them, captured when this module is imported: hooks call
 #: these, never whatever the class holds at the time, so a hook never calls itself.
@@ -69,29 +70,26 @@ def hooks_generation() -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# The log of a tape: recording windows and watches, by op counts of their graphs
+# The log of a tape: its watches, and whether each watched tensor was tracked before
 # --------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class TapeLog:
     """What the hooks saw of one TensorFlow tape (``tape._tape``; ``reset()`` and a finished
-    non-persistent ``gradient`` start a new one).
-
-    Positions are op counts of a graph (``graph.num_operations()``): ops are numbered in
-    creation order and never removed, so the op at index ``i`` of ``graph.get_operations()``
-    was created inside a window ``[start, end)`` exactly when ``start <= i < end``.
-    """
+    non-persistent ``gradient`` start a new one)."""
 
     #: ``hooks_generation()`` when the log began, or :data:`OWN_CLASS`.
     generation: int
     #: Whether the hooks saw the tape from its creation (a tape entered before routing began
     #: was not: its earlier watches are unknown).
     complete: bool
-    #: ``[graph or None (eager), start, end or None (still recording)]`` per push.
-    windows: list = dataclasses.field(default_factory=list)
-    #: ``tensor.ref()`` -> op count of its graph when it was first watched while a tape could
-    #: record (``tape.watch`` does nothing under ``stop_recording()``).
-    watched: dict = dataclasses.field(default_factory=dict)
+    #: ``tensor.ref()`` -> whether the tape already tracked the tensor when it was first
+    #: watched while a watch takes effect (``tape.watch`` does nothing while the thread's
+    #: tapes are stopped or none is active). Before any watch, only the recording of its op
+    #: makes a tensor tracked; so a watched tensor the tape did not track then is a leaf,
+    #: however and whenever its op was made (under ``tape.stop_recording()``, before the
+    #: ``with`` block, under TensorFlow's thread-wide ``record.stop_recording()``).
+    tracked_when_watched: dict = dataclasses.field(default_factory=dict)
 
     def up_to_date(self) -> bool:
         """Whether no event since the log began can have gone unseen."""
@@ -102,42 +100,36 @@ def log_of(tape) -> TapeLog | None:
     return tape.__dict__.get(_LOG_ATTRIBUTE)
 
 
-def _current_graph():
-    """The graph ops are being added to, or None when executing eagerly."""
-    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-
-
 def push(tape, generation: int) -> None:
     """``tape._push_tape()``, logged: a fresh TensorFlow tape (the first push, after
     ``reset()`` or after a non-persistent ``gradient``) starts a fresh log."""
     fresh = tape._tape is None  # pylint: disable=protected-access
     ORIGINAL_METHODS["_push_tape"](tape)
-    log = log_of(tape)
-    if fresh or log is None:
-        log = TapeLog(generation=generation, complete=fresh)
-        tape.__dict__[_LOG_ATTRIBUTE] = log
-    graph = _current_graph()
-    log.windows.append([graph, None if graph is None else graph.num_operations(), None])
-
-
-def pop(tape) -> None:
-    """``tape._pop_tape()``, logged: the open window ends at the current op count."""
-    ORIGINAL_METHODS["_pop_tape"](tape)
-    log = log_of(tape)
-    if log is not None and log.windows and log.windows[-1][2] is None:
-        graph = log.windows[-1][0]
-        log.windows[-1][2] = None if graph is None else graph.num_operations()
+    if fresh or log_of(tape) is None:
+        tape.__dict__[_LOG_ATTRIBUTE] = TapeLog(generation=generation, complete=fresh)
 
 
 def watch(tape, tensor) -> None:
-    """``tape.watch(tensor)``, logged: the graph tensors it watched, with their position."""
-    ORIGINAL_METHODS["watch"](tape, tensor)
+    """``tape.watch(tensor)``, logged: for each graph tensor watched for the first time,
+    whether the tape tracked it just before (asked of TensorFlow's tape, :func:`tracked_by`)."""
     log = log_of(tape)
-    if log is None or not _could_record():
+    if log is None or tape._tape is None or not _could_record():  # pylint: disable=protected-access
+        ORIGINAL_METHODS["watch"](tape, tensor)
         return
-    for t in backprop._extract_tensors_and_variables(tensor):  # pylint: disable=protected-access
-        if isinstance(t, tf.Tensor) and not tf_graph.is_eager_tensor(t):
-            log.watched.setdefault(t.ref(), t.graph.num_operations())
+    try:
+        # pylint: disable-next=protected-access
+        extracted = list(backprop._extract_tensors_and_variables(tensor))  # a generator
+    except ValueError:
+        extracted = []  # not a tensor: TensorFlow's watch below raises its own error
+    first = [t for t in extracted if isinstance(t, tf.Tensor) and not tf_graph.is_eager_tensor(t)
+             and t.ref() not in log.tracked_when_watched]
+    # An output of an op without inputs (a placeholder, a constant) is never recorded: asking
+    # would only start a thread.
+    asked = [t for t in first if t.op.inputs]
+    tracked = {t.ref() for t, yes in zip(asked, tracked_by(tape, asked) if asked else ()) if yes}
+    ORIGINAL_METHODS["watch"](tape, tensor)
+    for t in first:
+        log.tracked_when_watched.setdefault(t.ref(), t.ref() in tracked)
 
 
 def _could_record() -> bool:
@@ -194,10 +186,18 @@ def stop_recording_for_gradient(tape) -> None:
 
 def release_after_gradient(tape) -> None:
     """What ``gradient`` does last: a non-persistent tape remembers its watched variables and
-    lets TensorFlow's tape go."""
+    lets TensorFlow's tape go; a persistent one still recording says, once, what TensorFlow's
+    ``gradient`` says of it (in TensorFlow's words)."""
     if not tape._persistent:  # pylint: disable=protected-access
         tape._watched_variables = tape._tape.watched_variables()  # pylint: disable=protected-access
         tape._tape = None  # pylint: disable=protected-access
+    elif tape._recording:  # pylint: disable=protected-access
+        tf_logging.log_first_n(
+            tf_logging.WARN, "Calling GradientTape.gradient on a persistent tape inside its "
+            "context is significantly less efficient than calling it outside the context (it "
+            "causes the gradient ops to be recorded on the tape, leading to increased CPU and "
+            "memory usage). Only call GradientTape.gradient inside the context if you actually "
+            "want to trace the gradient in order to compute higher order derivatives.", 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,6 +230,21 @@ def flat_output_gradients(output_gradients) -> list | None:
     return [None if g is None else tf.convert_to_tensor(g) for g in flat]
 
 
+def flat_gradients(raw: list, grads: list) -> list:
+    """``grads``, one per raw source as TensorFlow's ``gradient`` returns them for the list
+    ``raw`` (composite gradients rebuilt), as one per flat source (:func:`flat_sources`):
+    what :func:`pack_gradients` packs back into the same gradients."""
+    flat: list = []
+    for source, grad in zip(raw, grads):
+        if grad is None:
+            components = composite_tensor_gradient.get_flat_tensors_for_gradients(
+                [_handle_or_self(source)])
+            flat += [None] * len(components)
+        else:
+            flat += composite_tensor_gradient.get_flat_tensors_for_gradients([grad])
+    return flat
+
+
 def pack_gradients(sources, raw: list, flat_grads: list):
     """The flat gradients in the structure of ``sources``, composite tensors rebuilt."""
     raw = nest.map_structure(_handle_or_self, raw)
@@ -250,6 +265,12 @@ class TapeView:
     stops: list
     #: Why the call must go to TensorFlow's own tape; None where the view is exact.
     reason: str | None = None
+    #: The kind of call ``reason`` makes it, one notice each (``tape._notice``).
+    kind: str | None = None
+
+
+def _elsewhere(kind: str, reason: str) -> TapeView:
+    return TapeView([], reason, kind)
 
 
 def _graph_of(targets: Sequence) -> tf.Graph | None:
@@ -263,20 +284,21 @@ def tape_view(tape, log: TapeLog, targets: Sequence, sources: Sequence) -> TapeV
     call that then gives the tape's gradients (design note "tape routing").
 
     An op was recorded when TensorFlow's tape tracks one of its outputs (:func:`tracked_by`)
-    and that output was not merely watched: a watched output of an op with no tracked input,
-    or made outside every recording window, is a leaf. ``reason`` is set where the tape's
-    answer cannot be had this way: targets of several graphs or eager ones, a watched output
-    whose op's recording the log cannot settle, a source the tape does not track that a
-    recorded op reads (the C++ tape computes a gradient for it, then deletes it once its last
-    reader is processed, unless some reader never is), or a recorded dependence that leaves
-    the graph through a captured value other than a source.
+    and that output was not merely watched: a watched output the tape did not track before
+    the watch is a leaf (:class:`TapeLog`). ``reason`` is set where the tape's answer cannot
+    be had this way: targets of several graphs or eager ones, a source the tape does not
+    track that a recorded op reads (the C++ tape computes a gradient for it, then deletes it
+    once its last reader is processed, unless some reader never is), a recorded dependence
+    that leaves the graph through a captured value other than a source, or a recorded op
+    whose gradient ``Graph.gradient_override_map`` replaced (tf.gradients follows the
+    override; the tape looks gradient functions up by op type).
     """
     graph = _graph_of(targets)
     if graph is None or len(targets) != sum(1 for t in targets if isinstance(t, tf.Tensor)):
-        return TapeView([], "its targets are not tensors of one graph")
-    closure = sorted(tf_graph.walk([t.op for t in targets], tf_graph.input_ops,
-                                   include=lambda op: op.graph is graph),
-                     key=tf_graph.creation_index)
+        return _elsewhere("gradient of targets in several graphs",
+                          "its targets are not tensors of one graph")
+    closure = list(tf_graph.walk([t.op for t in targets], tf_graph.input_ops,
+                                 include=lambda op: op.graph is graph))
     slots = [tf_graph.as_seen_from(s, graph) for s in sources]
     queried = [t for op in closure for t in op.outputs if tf_graph.carries_gradients(t)]
     queried += [s for s in slots if s is not None]
@@ -292,19 +314,21 @@ def tape_view(tape, log: TapeLog, targets: Sequence, sources: Sequence) -> TapeV
         value = captured.get(t.ref())
         probes.append(value if value is not None and tf_graph.is_eager_tensor(value) else t)
     tracked = {t.ref() for t, yes in zip(queried, tracked_by(tape, probes)) if yes}
-
-    recorded: dict = {}
-    positions = _Positions(graph)
-    for op in closure:
-        verdict = _recorded(op, tracked, recorded, log, positions)
-        if verdict is None:
-            return TapeView([], f"it watched {op.outputs[0].name!r}, an output of an op whose "
-                            "recording its log cannot settle")
-        recorded[op] = verdict
+    recorded = {op: _recorded(op, tracked, log) for op in closure}
 
     walked = list(tf_graph.walk([t.op for t in targets if recorded.get(t.op)],
                                 tf_graph.input_ops,
                                 include=lambda op: op.graph is graph and recorded.get(op)))
+    for op in walked:
+        override = tf_graph.gradient_override(op)
+        # tf.custom_gradient's IdentityN carries an override too, and the tape records its
+        # outputs again with the same custom function: there the two agree.
+        if override is not None and not tf_graph.is_custom_gradient_override(override):
+            return _elsewhere(
+                "gradient through an op with a gradient_override_map",
+                f"it recorded {op.name!r} ({op.type}), whose gradient Graph."
+                f"gradient_override_map replaced with {override!r}, which tf.gradients "
+                "follows and the tape does not")
 
     def must_stop(u) -> bool:
         """Whether tf.gradients would go on beyond ``u`` where the tape does not: into the
@@ -321,15 +345,17 @@ def tape_view(tape, log: TapeLog, targets: Sequence, sources: Sequence) -> TapeV
     reading = {u.ref() for op in walked for u in op.inputs}
     for source, slot in zip(sources, slots):
         if slot is not None and slot.ref() in reading and slot.ref() not in tracked:
-            return TapeView([], f"a source it does not track ({_name(source)}) is read by an "
-                            "op it recorded")
+            return _elsewhere("gradient of a source the tape does not track",
+                              f"a source it does not track ({_name(source)}) is read by an "
+                              "op it recorded")
     stop_ops = {t.op for t in stops.values()}
     outer = [s for s in sources if not tf_graph.is_eager_tensor(s) and s.graph is not graph]
     for placeholder in tf_graph.crossing_captures(targets, outer, stop_ops=stop_ops):
         value = tf_graph.captured_value(placeholder)
         if not any(value is s for s in outer):
-            return TapeView([], f"what it recorded leaves the graph through the captured "
-                            f"{value.name!r}, which is not a source")
+            return _elsewhere("gradient through a captured value that is not a source",
+                              f"what it recorded leaves the graph through the captured "
+                              f"{value.name!r}, which is not a source")
     return TapeView(sorted(stops.values(), key=lambda t: tf_graph.creation_index(t.op)))
 
 
@@ -337,44 +363,13 @@ def _name(t) -> str:
     return "an eager tensor" if tf_graph.is_eager_tensor(t) else repr(t.name)
 
 
-class _Positions:
-    """Op counts of one graph, computed on first use (only watched outputs need them)."""
-
-    def __init__(self, graph):
-        self._graph = graph
-        self._index = None
-
-    def __call__(self, op) -> int:
-        if self._index is None:
-            self._index = {o: i for i, o in enumerate(self._graph.get_operations())}
-        return self._index[op]
-
-
-def _recorded(op, tracked: set, recorded: dict, log: TapeLog, position) -> bool | None:
-    """Whether the tape recorded ``op`` (ops before it in creation order already decided);
-    None where the log cannot settle it."""
-    if not op.inputs or not any(t.ref() in tracked for t in op.outputs):
+def _recorded(op, tracked: set, log: TapeLog) -> bool:
+    """Whether the tape recorded ``op``: one of its outputs is tracked, and not only because
+    it was watched (it was tracked already when first watched, or never watched)."""
+    if not op.inputs:
         return False
-    if not any(t.ref() in log.watched for t in op.outputs):
-        # Only a recording or a watch makes an output tracked, and this one was not watched.
-        return True
-    # A watched output: recorded only if, when the op was made inside a recording window, one
-    # of its inputs was already tracked (a later watch of an input does not count).
-    windows = [w for w in log.windows if w[0] is op.graph]
-    if not windows and any(w[0] is not None for w in log.windows):
-        return None  # made in another graph than the one the windows were logged in
-    index = position(op)
-    if not any(start <= index < (end if end is not None else float("inf"))
-               for _, start, end in windows):
-        return False
-    for u in op.inputs:
-        if not tf_graph.carries_gradients(u) or u.ref() not in tracked:
-            continue
-        watched_at = log.watched.get(u.ref())
-        if (recorded.get(u.op) or not u.op.inputs
-                or (watched_at is not None and watched_at <= index)):
-            return True
-    return False
+    return any(t.ref() in tracked and log.tracked_when_watched.get(t.ref(), True)
+               for t in op.outputs)
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from absl import logging
 
 from memsave_grads import _validate
 from memsave_grads import api
+from memsave_grads import errors
 from memsave_grads import tape
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads.keras import cells
@@ -134,9 +135,38 @@ def run_wrapped_step(model, flavour: Flavour, data, options: StepOptions):
     planned = planned_batch_size(model, data, checkpoints, options.batch_size)
     with tf_graph.assumed_batch_size(planned), cells.maybe_recomputed_cells(
             model, flavour, options.recompute_cells), api.loops_recomputed_inside(
-                options.recompute_cells):
-        return tape.run_with_routed_tapes(own_step, checkpoints, options.fallback,
-                                          caller=f"memsave_grads.keras ({flavour.name})")
+                options.recompute_cells), api.counting_gradients_calls() as counted:
+        result = tape.run_with_routed_tapes(own_step, checkpoints, options.fallback,
+                                            caller=f"memsave_grads.keras ({flavour.name})")
+    # Run eagerly, routed tapes are TensorFlow's (each kind noticed there): no count to read.
+    if not counted.calls and not tf.executing_eagerly():
+        _no_gradient_computed(model, options.fallback)
+    return result
+
+
+#: Model classes already warned that their own train_step computed no gradient through us.
+_WARNED_NO_GRADIENTS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _no_gradient_computed(model, fallback: str) -> None:
+    """A model's own ``train_step`` was traced and computed no gradient through memsave_grads
+    (no tf.GradientTape gradient, no ``memsave_grads.gradients`` or
+    ``memsave_grads.keras.train_step`` call): wrap_model saves nothing there. Said once per
+    class under ``fallback="warn"``, raised under ``"error"``."""
+    cls = type(model)
+    message = (
+        f"model: wrap_model: {cls.__qualname__}.train_step computed no gradient through "
+        "memsave_grads while Keras traced it (expected a tf.GradientTape.gradient, a "
+        "memsave_grads.gradients or a memsave_grads.keras.train_step call; it uses none, or "
+        "tf.gradients, which wrap_model does not route), so the wrapped step saves no memory. "
+        "Take the gradients with tf.GradientTape, memsave_grads.gradients or "
+        "memsave_grads.keras.train_step(self, data) in train_step")
+    if fallback == "error":
+        raise errors.InvalidArgumentError(message + ".")
+    if cls not in _WARNED_NO_GRADIENTS:
+        _WARNED_NO_GRADIENTS.add(cls)
+        logging.warning("memsave_grads.keras: %s, or unwrap the model; it trains as written.",
+                        message)
 
 
 def _traced_step(model, flavour: Flavour, data, options: StepOptions):
