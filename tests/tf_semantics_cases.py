@@ -1045,30 +1045,49 @@ class CallLog:
         self.events: list[dict] = []
         self.backprop_calls = 0
         real_gradients, real_backprop = api.gradients, stitch.backprop
+        real_rewritten_or_plain = api._rewritten_or_plain  # pylint: disable=protected-access
         fallback_errors = errors.FALLBACK_ERRORS
         log = self
+        open_events: list[dict] = []  # the calls in progress, innermost last
+
+        def fell_back(event, exc):
+            event.update(outcome="fell_back", error=type(exc).__name__, message=str(exc)[:300])
 
         def gradients_spy(*args, **kwargs):
             event = {"outcome": "raised"}
             log.events.append(event)
+            open_events.append(event)
             before = log.backprop_calls
             try:
                 result = real_gradients(*args, **kwargs)
             except fallback_errors as exc:
-                event.update(outcome="fell_back", error=type(exc).__name__,
-                             message=str(exc)[:300])
+                fell_back(event, exc)
                 raise
             except Exception as exc:
                 event.update(error=type(exc).__name__, message=str(exc)[:300])
                 raise
-            event["outcome"] = "rewrote" if log.backprop_calls > before else "passthrough"
+            finally:
+                open_events.pop()
+            if event["outcome"] == "raised":  # not caught falling back under fallback="warn"
+                event["outcome"] = "rewrote" if log.backprop_calls > before else "passthrough"
             return result
+
+        def rewritten_or_plain_spy(*args, **kwargs):
+            # Under fallback="warn" gradients() catches the strategy's errors itself and
+            # computes plain tf.gradients: the fallback is seen here, where they are raised.
+            try:
+                return real_rewritten_or_plain(*args, **kwargs)
+            except fallback_errors as exc:
+                if open_events:
+                    fell_back(open_events[-1], exc)
+                raise
 
         def backprop_spy(*args, **kwargs):
             log.backprop_calls += 1
             return real_backprop(*args, **kwargs)
 
         api.gradients = gradients_spy
+        api._rewritten_or_plain = rewritten_or_plain_spy  # pylint: disable=protected-access
         stitch.backprop = backprop_spy
 
     def take(self) -> list[dict]:

@@ -62,7 +62,9 @@ class Method:
     def gradients(self, loss: tf.Tensor, variables: Sequence[tf.Variable]) -> list:
         if self.is_reference:  # the unpatched tf.gradients, even under memsave_grads.patch()
             return original_gradients(loss, list(variables))
-        return api.gradients(loss, list(variables), checkpoints=self.checkpoints)
+        # "error": a strategy that does not apply is reported n/a, not measured as tf.gradients.
+        return api.gradients(loss, list(variables), checkpoints=self.checkpoints,
+                             fallback="error")
 
 
 REFERENCE = Method("tf.gradients", None)
@@ -87,7 +89,8 @@ def measure_build_seconds(spec: ModelSpec, checkpoints: str = "memory",
             method(loss, variables)
             return time.perf_counter() - start, len(graph.get_operations())
     plain = min(once(lambda l, v: original_gradients(l, list(v)))[0] for _ in range(repeats))
-    ours = min(once(lambda l, v: api.gradients(l, list(v), checkpoints=checkpoints))[0]
+    ours = min(once(lambda l, v: api.gradients(l, list(v), checkpoints=checkpoints,
+                                               fallback="error"))[0]
                for _ in range(repeats))
     graph = tf.Graph()
     with graph.as_default():
@@ -434,7 +437,7 @@ def calibrate(spec: ModelSpec, asked: budgets.Budget, runs: int = 2,
         with graph.as_default():
             loss, variables = spec.build()
             grads = original_gradients(loss, list(variables)) if planned is None else \
-                api.gradients(loss, list(variables), checkpoints=planned)
+                api.gradients(loss, list(variables), checkpoints=planned, fallback="error")
             step = tf.compat.v1.train.GradientDescentOptimizer(learning_rate).apply_gradients(
                 [(g, v) for g, v in zip(grads, variables) if g is not None])
             init = tf.compat.v1.global_variables_initializer()

@@ -209,7 +209,7 @@ def _loss_and_grads(model: BlockModel, method: str):
     loss = model.head(h)
     if method == METHODS[0]:
         return loss, original_gradients(loss, model.variables)
-    return loss, api.gradients(loss, model.variables, checkpoints="memory")
+    return loss, api.gradients(loss, model.variables, checkpoints="memory", fallback="error")
 
 
 @dataclasses.dataclass
