@@ -6,11 +6,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads import _validate
 from memsave_grads import errors
@@ -24,6 +24,9 @@ from memsave_grads.core import op_types
 from memsave_grads.core.checkpoints import ParsedCheckpoints
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import schedule as schedule_lib
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 # Types of the public signatures (with py.typed, what type checkers and IDEs show).
 #: ``ys``: a tensor or a list of tensors.
@@ -271,7 +274,7 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
     if while_ops and all(tf_graph.loop_body_has_custom_gradient(op) for op in while_ops):
         # Keras 3 recurrent layers under wrap_model, or a user's recompute(step): the saving
         # is inside the loops, which plain tf.gradients differentiates as they are.
-        logging.info(
+        _LOG.info(
             "memsave_grads: checkpoints=%.80r: outside its %d loop(s), whose steps recompute "
             "inside, this graph of %d forward ops has nothing to save (%s); %s "
             "differentiates it.", checkpoints, len(while_ops), len(prepared.region), reason,
@@ -286,7 +289,7 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
         f" {len(while_ops)} of those ops are loops whose gradients store what every iteration "
         f"needs; {why_not}: to save inside such a loop, recompute its step with "
         "memsave_grads.recompute(step_fn) (docs/recurrent.md)." if while_ops else "")
-    logging.warning(
+    _LOG.warning(
         "memsave_grads: checkpoints=%.80r saves no memory on this graph of %d forward ops (%s); "
         "%s computes its gradients, at tf.gradients' own peak.%s "
         "memsave_grads.explain(...) shows the plan.", checkpoints, len(prepared.region), reason,
@@ -418,8 +421,8 @@ def prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
         # gradients are None (or zeros), as tf.gradients gives.
         plan = (selection.make_plan(ctx, parsed) if select and region
                 else selection.keep_ops(ctx, (), "none"))
-    logging.vlog(1, "memsave_grads: %d forward ops, %d checkpoints chosen, %d kept in all",
-                 len(region), len(plan.chosen or ()), len(plan.kept))
+    _LOG.debug("memsave_grads: %d forward ops, %d checkpoints chosen, %d kept in all",
+               len(region), len(plan.chosen or ()), len(plan.kept))
     arguments = dataclasses.replace(arguments, ys=ys, grad_ys=grad_ys, x_slots=x_slots)
     return Prepared(arguments=arguments, crossing=crossing, outer_targets=outer_targets,
                     checkpoints=parsed, selection=ctx, plan=plan)
@@ -459,8 +462,8 @@ def _gradients_falling_back(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: d
             return _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, exc, caller,
                                                tf_gradients_kwargs)
     except errors.FALLBACK_ERRORS as exc:
-        logging.warning("%s: falling back to %s: %s", caller,
-                        "tf.gradients" if plain is None else plain.name, exc)
+        _LOG.warning("%s: falling back to %s: %s", caller,
+                     "tf.gradients" if plain is None else plain.name, exc)
         return _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs, plain)
 
 
@@ -488,7 +491,7 @@ def _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, infeasible, caller
         return f"{nbytes / plain_bytes:.1%}" if plain_bytes and nbytes is not None else "n/a"
 
     def warn(error, outcome):
-        logging.warning(
+        _LOG.warning(
             "%s: checkpoints=%r: the budget of %s (%s of plain tf.gradients' predicted peak, "
             "%s) is below the smallest feasible predicted peak, %s (%s of plain); %s Raise the "
             "budget to at least that, or pass fallback='error' to raise.", caller, checkpoints,

@@ -27,16 +27,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 from typing import Callable, Sequence
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads._tf import ordering
 from memsave_grads._tf import rewrite
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads import errors
 from memsave_grads.core import op_types
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 _call_counter = itertools.count()
 
@@ -80,8 +83,8 @@ def recompute(fn: Callable) -> Callable:
                 "positional tensors only. Bind them first: recompute(functools.partial(fn, "
                 "training=True)).")
         if tf.executing_eagerly():
-            logging.vlog(1, "memsave_grads.recompute: eager call of %s runs as is (nothing to "
-                         "recompute without a graph)", getattr(fn, "__name__", "fn"))
+            _LOG.debug("memsave_grads.recompute: eager call of %s runs as is (nothing to "
+                       "recompute without a graph)", getattr(fn, "__name__", "fn"))
             return fn(*args)
         return _recomputed(fn, args)
 

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from typing import Sequence
 
 import tensorflow as tf
-from absl import logging
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import record
 from tensorflow.python.framework import func_graph as func_graph_module
@@ -42,6 +42,9 @@ from memsave_grads._tf import function_ops
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import rewrite
 from memsave_grads.core import op_types
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 #: The gradient of a replayed variable read (an ``IdentityN`` of the exposed value, the
 #: handle and a gather's indices): the read's own gradient, sent to the handle.
@@ -193,8 +196,8 @@ def expose(op: tf.Operation, bodies: Sequence) -> Exposure:
         op._add_outputs([t.dtype for t in extra], [t.shape for t in extra])  # pylint: disable=protected-access
     exposure = Exposure(tuple(bodies), visible, first)
     setattr(op, function_ops.EXPOSURE_ATTR, exposure)
-    logging.vlog(1, "memsave_grads: %s (%s) outputs %d values of its state for its replay",
-                 op.name, op.type, len(op.outputs) - visible)
+    _LOG.debug("memsave_grads: %s (%s) outputs %d values of its state for its replay",
+               op.name, op.type, len(op.outputs) - visible)
     return exposure
 
 

@@ -25,18 +25,21 @@ replay (``_tf.exposure``) computes everything else again.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import weakref
 from typing import Callable, Sequence
 
 import tensorflow as tf
-from absl import logging
 from tensorflow.python.framework import function_def_to_graph
 from tensorflow.python.ops import control_flow_util_v2
 
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import ordering
 from memsave_grads.core import op_types
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 #: The attribute of a forward op that ``_tf.exposure.expose`` rewrote to output its state
 #: (an ``exposure.Exposure``).
@@ -163,8 +166,8 @@ def body_graphs(op: tf.Operation) -> list | None:
         else:
             return None
     except (AttributeError, ValueError, KeyError, TypeError) as e:
-        logging.vlog(1, "memsave_grads: cannot read the functions of %s (%s): %s", op.name,
-                     op.type, e)
+        _LOG.debug("memsave_grads: cannot read the functions of %s (%s): %s", op.name,
+                   op.type, e)
         return None
     return None if any(g is None for g in graphs) else graphs
 
@@ -425,7 +428,7 @@ def _gradient_facts(op: tf.Operation) -> GradientFacts | None:
     try:
         bodies = [_body_facts(g, body_outputs(op, g), gradient_facts, loop) for g in graphs]
     except (ValueError, TypeError, AttributeError) as e:  # a body we cannot model
-        logging.vlog(1, "memsave_grads: cannot model the body of %s: %s", op.name, e)
+        _LOG.debug("memsave_grads: cannot model the body of %s: %s", op.name, e)
         return None
     offset = input_offset(op)
     read = frozenset(i + offset for b in bodies for i in b.read_placeholders)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import re
 from typing import Iterable, Sequence
 
 import tensorflow as tf
-from absl import logging
 from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import control_flow_v2_func_graphs
 
@@ -31,6 +31,9 @@ from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import ordering
 from memsave_grads._tf import rewrite
 from memsave_grads.core import op_types
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 #: A loop's body is recomputed only where the loop then stores at most this fraction of what
 #: its gradient stores otherwise: the replay costs one more forward pass of the body.
@@ -290,5 +293,5 @@ def _recompute_body(op: tf.Operation, loop_plan: LoopPlan) -> None:
     op._set_func_attr("body", control_flow_util_v2.create_new_tf_function(new_body))  # pylint: disable=protected-access
     op._body_graph = new_body  # pylint: disable=protected-access
     setattr(op, _RECOMPUTED_ATTR, loop_plan)
-    logging.vlog(1, "memsave_grads: the body of loop %s is recomputed in its backward "
-                 "iterations, %d iteration(s) at a time", op.name, unroll)
+    _LOG.debug("memsave_grads: the body of loop %s is recomputed in its backward "
+               "iterations, %d iteration(s) at a time", op.name, unroll)

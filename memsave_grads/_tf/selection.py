@@ -11,10 +11,10 @@ rule (:func:`decide_schedule`) compares the plan's predicted peak with plain tf.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable, Iterable, Sequence
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads._tf import function_ops
 from memsave_grads._tf import graph as tf_graph
@@ -27,6 +27,9 @@ from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import policies
 from memsave_grads.core import solvers
 from memsave_grads.core.solvers import problem as problem_lib
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 COLLECTION_NAME = "checkpoints"
 
@@ -410,7 +413,7 @@ def decide_schedule(ctx: SelectionContext, checkpoints: ParsedCheckpoints,
                     if ctx.unknown_dimensions else ""))
     if explicit:
         if peak > plain:
-            logging.warning(
+            _LOG.warning(
                 "memsave_grads: the explicit checkpoints are predicted to peak above plain "
                 "tf.gradients (%s); keeping them as asked. Pass checkpoints='memory' to choose "
                 "them automatically.", predicted)
@@ -436,10 +439,10 @@ def decide_schedule(ctx: SelectionContext, checkpoints: ParsedCheckpoints,
 
 
 def _logged(checkpoints: ParsedCheckpoints, decision: ScheduleDecision) -> ScheduleDecision:
-    logging.vlog(1, "memsave_grads: checkpoints=%s: %s; %s", _describe(checkpoints.given),
-                 decision.reason, "recomputing as planned" if decision.rewrite else
-                 "keeping plain tf.gradients' schedule (the original tf.gradients computes the "
-                 "gradients)")
+    _LOG.debug("memsave_grads: checkpoints=%s: %s; %s", _describe(checkpoints.given),
+               decision.reason, "recomputing as planned" if decision.rewrite else
+               "keeping plain tf.gradients' schedule (the original tf.gradients computes the "
+               "gradients)")
     return decision
 
 

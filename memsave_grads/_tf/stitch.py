@@ -15,10 +15,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 from typing import Iterable, Mapping, Sequence
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads._tf import exposure
 from memsave_grads._tf import ordering
@@ -28,6 +28,9 @@ from memsave_grads import errors
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import op_types
 from memsave_grads.core import schedule as schedule_lib
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 
 def zeros_like(x: tf.Tensor) -> tf.Tensor:
@@ -296,5 +299,5 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
     else:
         state.run(targets, target_grads, copied_sources + original_sources,
                   readers=readers + original_sources)
-    logging.vlog(1, "memsave_grads: level %s: %d kept ops, %d ops recomputed",
-                 label, len(active), len(to_copy))
+    _LOG.debug("memsave_grads: level %s: %d kept ops, %d ops recomputed",
+               label, len(active), len(to_copy))

@@ -16,11 +16,11 @@ draws), before any update.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Sequence
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads import _explain as explain_lib
 from memsave_grads import api
@@ -29,6 +29,9 @@ from memsave_grads import _tables as tables
 from memsave_grads import measure as measure_lib
 from memsave_grads.bench.harness import PEAK_RUNS
 from memsave_grads.patching import original_gradients
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 #: The forward passes, in table order: (key, label).
 FORWARDS = (
@@ -150,12 +153,12 @@ def measure(forward: str, method: str, shape: Shape = Shape()) -> Result:
     result = Result(forward, method)
     if outcome.returncode != 0 or outcome.result is None:
         result.failed = outcome.last_error_line()
-        logging.error("%s / %s failed:\n%s", forward, method, outcome.stderr[-3000:])
+        _LOG.error("%s / %s failed:\n%s", forward, method, outcome.stderr[-3000:])
         return result
     for key, value in outcome.result.items():
         setattr(result, key, value)
-    logging.info("%s / %s: peaks %s MiB", forward, method,
-                 [round(p / measure_lib.MIB, 1) for p in result.peak_bytes])
+    _LOG.info("%s / %s: peaks %s MiB", forward, method,
+              [round(p / measure_lib.MIB, 1) for p in result.peak_bytes])
     return result
 
 

@@ -7,15 +7,17 @@ returns a :class:`~memsave_grads.core.plan.Plan`. Planners never touch TensorFlo
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Sequence
-
-from absl import logging
 
 from memsave_grads.core import budgets
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import schedule as schedule_lib
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------
 # Frontier cuts: the "memory" planner for any DAG
@@ -219,7 +221,7 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     if best_peak >= plain_peak:
         # Returned all the same: explain() reports it, and gradients() keeps tf.gradients'
         # schedule for it (selection.decide_schedule, docs/design.md note "never worse").
-        logging.info("memsave_grads: no plan of %d nodes predicts a lower peak than "
-                     "tf.gradients (%d bytes)", n, plain_peak)
+        _LOG.info("memsave_grads: no plan of %d nodes predicts a lower peak than "
+                  "tf.gradients (%d bytes)", n, plain_peak)
     equal = [p for p in plans if p.predicted_peak_bytes <= EQUAL_PEAK_FACTOR * best_peak]
     return min(equal, key=lambda p: (p.recompute_cost, p.predicted_peak_bytes))

@@ -7,10 +7,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import weakref
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads import _validate
 from memsave_grads import api
@@ -22,6 +22,9 @@ from memsave_grads.keras import checks
 from memsave_grads.keras import flavour as flavour_lib
 from memsave_grads.keras import updates
 from memsave_grads.keras.flavour import Flavour
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +168,8 @@ def _no_gradient_computed(model, fallback: str) -> None:
         raise errors.InvalidArgumentError(message + ".")
     if cls not in _WARNED_NO_GRADIENTS:
         _WARNED_NO_GRADIENTS.add(cls)
-        logging.warning("memsave_grads.keras: %s, or unwrap the model; it trains as written.",
-                        message)
+        _LOG.warning("memsave_grads.keras: %s, or unwrap the model; it trains as written.",
+                     message)
 
 
 def _traced_step(model, flavour: Flavour, data, options: StepOptions):
@@ -191,7 +194,7 @@ def _traced_step(model, flavour: Flavour, data, options: StepOptions):
         grads = flavour.unscale_gradients(optimizer, compute_gradients())
         optimizer.apply_gradients(zip(grads, variables))
     else:
-        logging.warning("memsave_grads.keras: the model has no trainable weights.")
+        _LOG.warning("memsave_grads.keras: the model has no trainable weights.")
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
@@ -232,7 +235,7 @@ def planned_batch_size(model, data, checkpoints, batch_size: int | None) -> int 
         return calibration.batch_size
     if budget is not None and model not in _WARNED_PER_EXAMPLE:
         _WARNED_PER_EXAMPLE.add(model)
-        logging.warning(
+        _LOG.warning(
             "memsave_grads.keras: %s: the step is traced with an unknown batch size and none "
             "is known, so %s is planned for one example, where the weights weigh as much as a "
             "whole batch's activations. Pass wrap_model(model, ..., batch_size=N) (or "
