@@ -18,11 +18,11 @@ above what is in use before the step, the median of :data:`PEAK_RUNS` runs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Callable, Sequence
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads import api
 from memsave_grads import measure as measure_lib
@@ -31,6 +31,9 @@ from memsave_grads import _tables as tables
 from memsave_grads.bench.harness import PEAK_RUNS
 from memsave_grads.bench.models import XlaSpec
 from memsave_grads.patching import original_gradients
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -249,14 +252,14 @@ def measure(spec: XlaSpec, method: str, jit_compile: bool, repeats: int = 3) -> 
     result = XlaResult(spec.name, method, jit_compile)
     if outcome.returncode != 0 or outcome.result is None:
         result.failed = outcome.last_error_line()
-        logging.error("%s / %s / jit_compile=%s failed:\n%s", spec.name, method, jit_compile,
-                      outcome.stderr[-3000:])
+        _LOG.error("%s / %s / jit_compile=%s failed:\n%s", spec.name, method, jit_compile,
+                   outcome.stderr[-3000:])
         return result
     for key, value in outcome.result.items():
         setattr(result, key, value)
-    logging.info("%s / %s / jit_compile=%s: peak %s MiB, median step %s ms, max rel grad err "
-                 "%s", spec.name, method, jit_compile, _mib(result.peak_bytes),
-                 _ms(result.median_seconds), result.max_rel_error)
+    _LOG.info("%s / %s / jit_compile=%s: peak %s MiB, median step %s ms, max rel grad err "
+              "%s", spec.name, method, jit_compile, _mib(result.peak_bytes),
+              _ms(result.median_seconds), result.max_rel_error)
     return result
 
 

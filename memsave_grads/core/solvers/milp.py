@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import logging
 import time
-
-from absl import logging
 
 from memsave_grads import errors
 from memsave_grads.core import graph as graph_lib
@@ -13,6 +12,9 @@ from memsave_grads.core import plan as plan_lib
 from memsave_grads.core.solvers import problem as problem_lib
 from memsave_grads.core.solvers.greedy import solve_greedy
 from memsave_grads.core import schedule as schedule_lib
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 #: The MILP refuses graphs larger than this (it grows quadratically in practice).
 MILP_MAX_NODES = 600
@@ -415,10 +417,10 @@ def solve_milp(problem: problem_lib.BudgetProblem,
         lowest_cost = (model["fixed_cost"] * cost_scale + bound) / cost_scale
         kept = {v for v in problem.candidates if result.x[v] > 0.5}
         _, peak, _ = scorer(kept)
-        logging.vlog(1, "memsave_grads: milp round %d (%.2f s): status %d, bound %.4g, "
-                     "replay peak %d of %d, best %s", round_index,
-                     time.perf_counter() - started, result.status, lowest_cost, peak,
-                     problem.budget_bytes, scorer.best and scorer.best[2])
+        _LOG.debug("memsave_grads: milp round %d (%.2f s): status %d, bound %.4g, "
+                   "replay peak %d of %d, best %s", round_index,
+                   time.perf_counter() - started, result.status, lowest_cost, peak,
+                   problem.budget_bytes, scorer.best and scorer.best[2])
         if scorer.best is not None and scorer.best[2] <= lowest_cost * (1 + 1e-6) + 1e-9:
             proven = True
             break
