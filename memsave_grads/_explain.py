@@ -12,6 +12,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import selection
 from memsave_grads import _validate
 from memsave_grads import api
@@ -70,6 +71,10 @@ class PlanReport:
         (None where it needed none).
       assumed_batch_size: the examples an unknown batch dimension counted as
         (:func:`memsave_grads.assume_batch_size`), or None.
+      recomputed_loops: ``(name, iterations replayed together)`` of each loop whose body the
+        plan recomputes inside (design note "control flow and calls").
+      replayed_stateful_ops: conds and calls with variable reads or random draws that the
+        plan replays from the state they output (names).
     """
 
     checkpoints: object
@@ -93,6 +98,8 @@ class PlanReport:
     decided_plan_peak_bytes: int | None = None
     decided_plain_peak_bytes: int | None = None
     assumed_batch_size: int | None = None
+    recomputed_loops: tuple = ()
+    replayed_stateful_ops: tuple = ()
 
     @property
     def recompute_fraction(self) -> float:
@@ -142,6 +149,17 @@ class PlanReport:
         ]
         if self.plan_reason:
             lines.insert(1, f"  planner: {self.planner} ({self.plan_reason})")
+        if self.recomputed_loops:
+            lines.append(
+                f"  loops recomputed inside: {len(self.recomputed_loops)} ("
+                + ", ".join(f"{name}: {k} iteration{'s' if k > 1 else ''} at a time"
+                            for name, k in self.recomputed_loops[:3])
+                + (", ..." if len(self.recomputed_loops) > 3 else "") + ")")
+        if self.replayed_stateful_ops:
+            lines.append(
+                f"  conds and calls with variable reads or random draws replayed from their "
+                f"state: {len(self.replayed_stateful_ops)} "
+                f"({_names(self.replayed_stateful_ops, limit=3)})")
         nested = [lv for lv in self.levels if lv.depth > 1]
         if nested:
             lines.append(
@@ -245,6 +263,7 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
     plan = prepared.plan
     decision = selection.decide_schedule(ctx, prepared.checkpoints, plan)
     sched = schedule_lib.of_plan(model, plan)
+    top = set(sched.top)
     levels = [LevelReport(level.number, len(level.nodes), len(nodes),
                           sum(model.size_bytes[v] for v in nodes),
                           _depth(model, sched, level.nodes))
@@ -255,6 +274,9 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
     # The model's costs are FLOPs, whatever the planner's own cost measure; a node replayed at
     # depth d counts d times.
     peak, recompute_flops = memory_model.plan_peak_and_cost(model, plan)
+    # A loop recomputed inside runs its body once more (its own FLOPs, not in the plan's).
+    recompute_flops += sum(model.cost_of(v) for v, op in enumerate(ctx.region)
+                           if op in ctx.recomputed_loops)
     return PlanReport(
         checkpoints=checkpoints,
         forward_ops=len(ctx.region),
@@ -264,7 +286,7 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
         top_segment_ops=len(sched.top),
         levels=tuple(lv for lv in levels if lv.recomputed_ops),
         predicted_peak_bytes=peak,
-        predicted_plain_peak_bytes=memory_model.plain_peak_bytes(model),
+        predicted_plain_peak_bytes=memory_model.plain_peak_bytes(ctx.plain_model),
         unknown_dimensions=ctx.unknown_dimensions,
         recompute_flops=recompute_flops,
         forward_flops=model.forward_cost(),
@@ -277,6 +299,11 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
         decided_plan_peak_bytes=decision.plan_peak_bytes,
         decided_plain_peak_bytes=decision.plain_peak_bytes,
         assumed_batch_size=ctx.assumed_batch_size,
+        recomputed_loops=tuple((op.name, p.unroll) for op, p in ctx.recomputed_loops.items()),
+        # Stateful ops that are not kept anyway are the replayable-by-exposure ones.
+        replayed_stateful_ops=tuple(
+            op.name for v, op in enumerate(ctx.region) if v not in top
+            and op not in ctx.must_keep and not tf_graph.is_replayable(op)),
     )
 
 

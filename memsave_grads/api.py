@@ -6,15 +6,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads import _validate
 from memsave_grads import errors
 from memsave_grads._tf import graph as tf_graph
+from memsave_grads._tf import loops
 from memsave_grads._tf import ordering
 from memsave_grads._tf import selection
 from memsave_grads._tf import stitch
@@ -23,6 +24,9 @@ from memsave_grads.core import op_types
 from memsave_grads.core.checkpoints import ParsedCheckpoints
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import schedule as schedule_lib
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 # Types of the public signatures (with py.typed, what type checkers and IDEs show).
 #: ``ys``: a tensor or a list of tensors.
@@ -55,6 +59,25 @@ def gradients_applied_together():
         yield
     finally:
         _GRADIENTS_HELD.reset(token)
+
+
+#: Whether ``"memory"`` and budgets recompute loops' bodies inside (design note "control flow
+#: and calls"); see :func:`loops_recomputed_inside`.
+_LOOPS_RECOMPUTED = contextvars.ContextVar("memsave_grads_loops_recomputed", default=True)
+
+
+@contextlib.contextmanager
+def loops_recomputed_inside(enabled: bool):
+    """Within ``loops_recomputed_inside(False)``, the ``gradients()`` calls leave while loops'
+    bodies as they are: a loop is kept or recomputed whole, and its gradient stores every
+    iteration. ``wrap_model(model, recompute_cells=False)`` promises Keras' recurrent loops as
+    Keras builds them; its step plans under this. Outside it (the default), ``"memory"`` and
+    budgets recompute a loop's body inside where that stores less."""
+    token = _LOOPS_RECOMPUTED.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _LOOPS_RECOMPUTED.reset(token)
 
 
 @dataclasses.dataclass
@@ -247,23 +270,26 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
     if key in _WARNED_PLAIN:
         return
     _WARNED_PLAIN.add(key)
-    loops = [op for op in prepared.region if op.type in op_types.WHILE_OP_TYPES]
-    if loops and all(tf_graph.loop_body_has_custom_gradient(op) for op in loops):
+    while_ops = [op for op in prepared.region if op.type in op_types.WHILE_OP_TYPES]
+    if while_ops and all(tf_graph.loop_body_has_custom_gradient(op) for op in while_ops):
         # Keras 3 recurrent layers under wrap_model, or a user's recompute(step): the saving
         # is inside the loops, which plain tf.gradients differentiates as they are.
-        logging.info(
+        _LOG.info(
             "memsave_grads: checkpoints=%.80r: outside its %d loop(s), whose steps recompute "
             "inside, this graph of %d forward ops has nothing to save (%s); %s "
-            "differentiates it.", checkpoints, len(loops), len(prepared.region), reason,
+            "differentiates it.", checkpoints, len(while_ops), len(prepared.region), reason,
             computed_by)
         return
+    why_not = ("here loops are kept as they are built (wrap_model(..., "
+               "recompute_cells=False))" if not _LOOPS_RECOMPUTED.get() else
+               "'memory' and budgets recompute a loop's body inside where that stores less, "
+               "but not under XLA, nor where a stateful op of the body reads a value the "
+               "iteration computes")
     loop_hint = (
-        f" {len(loops)} of those ops are loops, which the planner keeps or recomputes whole "
-        "while their gradients store what every iteration needs: to save inside a loop, "
-        "recompute its step with memsave_grads.recompute(step_fn) (wrap_model does so for "
-        "Keras 3 recurrent layers, unless recompute_cells=False or XLA compiles the step; "
-        "docs/recurrent.md)." if loops else "")
-    logging.warning(
+        f" {len(while_ops)} of those ops are loops whose gradients store what every iteration "
+        f"needs; {why_not}: to save inside such a loop, recompute its step with "
+        "memsave_grads.recompute(step_fn) (docs/recurrent.md)." if while_ops else "")
+    _LOG.warning(
         "memsave_grads: checkpoints=%.80r saves no memory on this graph of %d forward ops (%s); "
         "%s computes its gradients, at tf.gradients' own peak.%s "
         "memsave_grads.explain(...) shows the plan.", checkpoints, len(prepared.region), reason,
@@ -274,6 +300,7 @@ def run_plan(prepared: "Prepared", plan: plan_lib.Plan) -> list:
     """Run ``plan`` (node numbers of ``prepared.selection.model``) through the rewrite: the
     gradients, one per given x. ``gradients()`` runs the selected plan; tests force others."""
     model = prepared.selection.model
+    loops.recompute_bodies(prepared.selection.recomputed_loops)
     arguments = prepared.arguments
     options = stitch.CallOptions(
         user_stops=arguments.user_stops, tf_kwargs=arguments.tf_kwargs,
@@ -381,19 +408,31 @@ def prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
 
     with graph.as_default():
         region = tf_graph.forward_region(ys, xs, stop_ops={t.op for t in user_stops})
-        must_keep = selection.forced_keep(region, xs)
+        # The strategies that choose for memory also recompute loops' bodies inside, where
+        # that stores less (design note "control flow and calls").
+        recomputed_loops = (loops.chosen(region) if select and _recomputes_loops(parsed)
+                            else {})
+        must_keep = selection.forced_keep(region, xs, recomputed_loops)
         ctx = selection.SelectionContext(graph=graph, region=region, xs=xs, ys=ys,
                                          must_keep=must_keep,
-                                         gradients_held=_GRADIENTS_HELD.get())
+                                         gradients_held=_GRADIENTS_HELD.get(),
+                                         recomputed_loops=recomputed_loops)
         # No forward op between xs and ys (ys do not depend on xs): nothing to choose; the
         # gradients are None (or zeros), as tf.gradients gives.
         plan = (selection.make_plan(ctx, parsed) if select and region
                 else selection.keep_ops(ctx, (), "none"))
-    logging.vlog(1, "memsave_grads: %d forward ops, %d checkpoints chosen, %d kept in all",
-                 len(region), len(plan.chosen or ()), len(plan.kept))
+    _LOG.debug("memsave_grads: %d forward ops, %d checkpoints chosen, %d kept in all",
+               len(region), len(plan.chosen or ()), len(plan.kept))
     arguments = dataclasses.replace(arguments, ys=ys, grad_ys=grad_ys, x_slots=x_slots)
     return Prepared(arguments=arguments, crossing=crossing, outer_targets=outer_targets,
                     checkpoints=parsed, selection=ctx, plan=plan)
+
+
+def _recomputes_loops(checkpoints: _validate.ParsedCheckpoints) -> bool:
+    """``"memory"`` and budgets, the strategies that choose what to keep for memory, unless
+    :func:`loops_recomputed_inside` turned it off."""
+    return _LOOPS_RECOMPUTED.get() and (checkpoints.strategy == "memory"
+                                        or checkpoints.budget is not None)
 
 
 def gradients_or_fallback(ys, xs, grad_ys, checkpoints, fallback: str, caller: str,
@@ -423,8 +462,8 @@ def _gradients_falling_back(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: d
             return _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, exc, caller,
                                                tf_gradients_kwargs)
     except errors.FALLBACK_ERRORS as exc:
-        logging.warning("%s: falling back to %s: %s", caller,
-                        "tf.gradients" if plain is None else plain.name, exc)
+        _LOG.warning("%s: falling back to %s: %s", caller,
+                     "tf.gradients" if plain is None else plain.name, exc)
         return _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs, plain)
 
 
@@ -453,7 +492,7 @@ def _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, infeasible, caller
         return f"{nbytes / plain_bytes:.1%}" if plain_bytes and nbytes is not None else "n/a"
 
     def warn(error, outcome):
-        logging.warning(
+        _LOG.warning(
             "%s: checkpoints=%r: the budget of %s (%s of plain tf.gradients' predicted peak, "
             "%s) is below the smallest feasible predicted peak, %s (%s of plain); %s Raise the "
             "budget to at least that, or pass fallback='error' to raise.", caller, checkpoints,

@@ -10,10 +10,10 @@ budgets"). It returns a budget to pass where budgets go (``wrap_model``, ``gradi
 
 from __future__ import annotations
 
+import logging
 import numbers
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads import _validate
 from memsave_grads import errors
@@ -23,6 +23,9 @@ from memsave_grads.core import budgets
 from memsave_grads.core import calibration as core_calibration
 from memsave_grads.keras import calibration as keras_calibration
 from memsave_grads.keras import flavour as keras_flavour
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 
 def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size: int = 32,
@@ -103,7 +106,7 @@ def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size:
     calibrated = core_calibration.calibrate(asked, _function_step(model_or_step, runs),
                                             max_measurements=max_measurements,
                                             step="step function")
-    logging.info("memsave_grads: calibrated %s", calibrated.calibration)
+    _LOG.info("memsave_grads: calibrated %s", calibrated.calibration)
     return calibrated
 
 

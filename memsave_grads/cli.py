@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import logging
 import os
 import re
 import sys
@@ -296,6 +297,13 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
                                  "jit_compile, against tf.recompute_grad and "
                                  "keras.RematScope): with the graph table, without it, or "
                                  "only it (default: %(default)s)")
+        parser.add_argument("--control-flow", choices=("with", "without", "only"),
+                            default="without",
+                            help="the control-flow table (the same blocks plain, in a tf.cond "
+                                 "each, as nested tf.functions and in one tf.while_loop, "
+                                 "tf.gradients against 'memory', a fresh process per cell): "
+                                 "with the other tables, without it, or only it "
+                                 "(default: %(default)s)")
     elif name == "scaling":
         _add_models(parser, default="all Keras networks", catalogue="keras_models")
         _add_plot(parser, "the peak-vs-depth plot")
@@ -407,8 +415,11 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands",
                                        parser_class=_Parser)
     for name, summary, description in _COMMANDS:
-        _add_options(name, subparsers.add_parser(
-            name, help=summary, description=description))
+        command = subparsers.add_parser(name, help=summary, description=description)
+        _add_options(name, command)
+        command.add_argument("-v", "--verbose", action="count", default=0,
+                             help="also memsave_grads' debug messages: per gradients call, the "
+                                  "forward ops, checkpoints and recomputed ops per level")
     parser.command_parsers = subparsers.choices  # so an unknown option is reported by its command
     return parser
 
@@ -519,14 +530,44 @@ def _import_tensorflow() -> None:
             tensorflow.config.list_physical_devices()
 
 
-def _start_logging() -> None:
-    """Progress goes to stderr through absl logging at INFO, as under ``absl.app.run``."""
-    from absl import flags  # pylint: disable=import-outside-toplevel
-    from absl import logging  # pylint: disable=import-outside-toplevel
-    if not flags.FLAGS.is_parsed():  # else absl prints "Logging before flag parsing"
-        flags.FLAGS.mark_as_parsed()
-    logging.use_absl_handler()
-    logging.set_verbosity(logging.INFO)
+#: What the command's own lines look like on stderr: severity, time, the module, the message.
+_LOG_FORMAT = "%(levelname).1s%(asctime)s %(name)s] %(message)s"
+#: TF_CPP_MIN_LOG_LEVEL (0..3) -> the lowest level TensorFlow's Python logger shows, so that its
+#: Python messages (deprecations...) follow the same setting as its C++ ones.
+_TF_PYTHON_LEVELS = (logging.INFO, logging.WARNING, logging.ERROR, logging.FATAL)
+
+
+@contextlib.contextmanager
+def _logging_to_stderr(verbose: int):
+    """While a command runs, the ``memsave_grads`` logger's messages go to stderr, progress
+    (INFO) included, debug with ``-v``; TensorFlow's Python logger shows what
+    TF_CPP_MIN_LOG_LEVEL lets through. Both loggers are as they were afterwards (``main``
+    also runs inside other programs and tests).
+
+    One handler each, and neither propagates to the root logger: absl's handler (on the root
+    once absl's logging is used) printed TensorFlow's deprecation warnings a second time."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT, datefmt="%m%d %H:%M:%S"))
+    try:
+        tf_level = int(os.environ.get(TF_LOG_LEVEL_ENV, "0"))
+    except ValueError:
+        tf_level = 0
+    ours, theirs = logging.getLogger("memsave_grads"), logging.getLogger("tensorflow")
+    saved = [(logger, logger.handlers[:], logger.level, logger.propagate)
+             for logger in (ours, theirs)]
+    ours.handlers[:] = [handler]
+    ours.setLevel(logging.DEBUG if verbose else logging.INFO)
+    theirs.setLevel(_TF_PYTHON_LEVELS[min(max(tf_level, 0), 3)])
+    if not theirs.handlers:
+        theirs.handlers[:] = [handler]
+    ours.propagate = theirs.propagate = False
+    try:
+        yield
+    finally:
+        for logger, handlers, level, propagate in saved:
+            logger.handlers[:] = handlers
+            logger.setLevel(level)
+            logger.propagate = propagate
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -552,12 +593,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _require_tensorflow(parser)
     _prepare_environment()
     _import_tensorflow()
-    _start_logging()
     from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
-    try:
-        return commands.COMMANDS[args.command](args)
-    except commands.CommandLineError as e:
-        parser.command_parsers[args.command].error(str(e))
+    with _logging_to_stderr(args.verbose):
+        try:
+            return commands.COMMANDS[args.command](args)
+        except commands.CommandLineError as e:
+            parser.command_parsers[args.command].error(str(e))
 
 
 def run() -> int:

@@ -11,11 +11,11 @@ design note "tape routing"), which never calls ``tf.gradients``.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import tape_record
@@ -23,6 +23,9 @@ from memsave_grads import _validate
 from memsave_grads import api
 from memsave_grads import errors
 from memsave_grads import tape
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _active = None  # the live _Patch, if any
@@ -102,8 +105,8 @@ class _Patch:
         if self.tapes:
             self.tape_routing = tape.start_routing(tape.Routing(
                 self.checkpoints, self.fallback, "memsave_grads.patch"))
-        logging.info("memsave_grads: patched %d references to tf.gradients%s",
-                     len(self.replaced), " and tf.GradientTape" if self.tapes else "")
+        _LOG.info("memsave_grads: patched %d references to tf.gradients%s",
+                  len(self.replaced), " and tf.GradientTape" if self.tapes else "")
 
     def restore(self) -> None:
         wrappers = [wrapper for _, wrapper in self.wrappers]

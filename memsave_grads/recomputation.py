@@ -27,16 +27,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 from typing import Callable, Sequence
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads._tf import ordering
 from memsave_grads._tf import rewrite
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads import errors
 from memsave_grads.core import op_types
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 _call_counter = itertools.count()
 
@@ -80,8 +83,8 @@ def recompute(fn: Callable) -> Callable:
                 "positional tensors only. Bind them first: recompute(functools.partial(fn, "
                 "training=True)).")
         if tf.executing_eagerly():
-            logging.vlog(1, "memsave_grads.recompute: eager call of %s runs as is (nothing to "
-                         "recompute without a graph)", getattr(fn, "__name__", "fn"))
+            _LOG.debug("memsave_grads.recompute: eager call of %s runs as is (nothing to "
+                       "recompute without a graph)", getattr(fn, "__name__", "fn"))
             return fn(*args)
         return _recomputed(fn, args)
 
@@ -117,8 +120,9 @@ class _Plan:
       replayed: the function's replayable ops the outputs need, in creation order (which is
         topological). Everything else they read (stateful outputs, values from outside the
         function) is read from the forward pass.
-      kept_reads: outputs of the function's ``ReadVariableOp``s; a variable's gradient is the
-        sum of its reads' gradients.
+      kept_reads: outputs of the function's variable reads (``ReadVariableOp``,
+        ``ResourceGather``: ``op_types.HANDLE_GRADIENT_READ_OP_TYPES``); a variable's gradient
+        is the sum of what its reads send to its handle.
     """
 
     replayed: list
@@ -136,7 +140,7 @@ def _plan(forward_ops, inputs, outputs, fn_name) -> _Plan:
     _check_kept(kept, own, inputs, fn_name)
     replayed = [op for op in forward_ops if op in needed and op not in kept]
     kept_reads = [op.outputs[0] for op in forward_ops
-                  if op in kept and op.type in op_types.VARIABLE_READ_OP_TYPES]
+                  if op in kept and tf_graph.is_handle_gradient_read(op)]
     return _Plan(replayed, kept_reads)
 
 
@@ -163,6 +167,7 @@ def _check_kept(kept, own, inputs, fn_name) -> None:
                     "layer's loop as Keras builds it.")
 
 
+@tf.autograph.experimental.do_not_convert
 def _backward(plan: _Plan, inputs, outputs, output_grads, variables, scope):
     graph = tf.compat.v1.get_default_graph()
     live = [g for g in output_grads if g is not None]
@@ -191,28 +196,49 @@ def _backward(plan: _Plan, inputs, outputs, output_grads, variables, scope):
                  if pairs and targets else [None] * len(targets))
     by_target = iter(grads)
     input_grads = [next(by_target) if _differentiable(t) else None for t in local_inputs]
-    read_grads = list(by_target)
+    # What each read sends to its variable's handle: the value's gradient, or rows of it.
+    handle_grads = [tf_graph.handle_gradient(read.op.type, g, read.op.inputs[0],
+                                             read.op.inputs[1] if len(read.op.inputs) > 1
+                                             else None)
+                    for read, g in zip(plan.kept_reads, by_target)]
+    # A handle the function receives (a loop body's captured variable, as the loop passes it
+    # on) gets its reads' gradients as its input gradient; the others go to ``variables``.
+    from_inputs = [False] * len(plan.kept_reads)
+    for i, t in enumerate(inputs):
+        if isinstance(t, tf.Tensor) and t.dtype == tf.resource:
+            mine = [k for k, read in enumerate(plan.kept_reads) if read.op.inputs[0] is t]
+            for k in mine:
+                from_inputs[k] = True
+            input_grads[i] = _summed([handle_grads[k] for k in mine])
     if not variables:
         return input_grads
-    return input_grads, _variable_grads(variables, plan.kept_reads, read_grads)
+    rest = [(read, g) for read, g, mine in zip(plan.kept_reads, handle_grads, from_inputs)
+            if not mine]
+    return input_grads, _variable_grads(variables, [r for r, _ in rest], [g for _, g in rest])
 
 
 def _differentiable(t) -> bool:
     return isinstance(t, tf.Tensor) and tf_graph.carries_gradients(t) and t.dtype != tf.resource
 
 
-def _variable_grads(variables, reads, read_grads):
-    """Sum the gradients of each variable's reads inside the function."""
+def _summed(parts):
+    """The sum of a variable's partial gradients: one as it is (``IndexedSlices`` from a
+    gather stay sparse), several added densely; None for none."""
+    parts = [g for g in parts if g is not None]
+    if len(parts) > 1:
+        return tf.add_n([tf.convert_to_tensor(g) for g in parts])
+    return parts[0] if parts else None
+
+
+@tf.autograph.experimental.do_not_convert
+def _variable_grads(variables, reads, handle_grads):
+    """Sum what each variable's reads inside the function send to its handle."""
     handles = [_outermost(read.op.inputs[0]) for read in reads]
-    sums = []
-    for variable in variables:
-        parts = [tf.convert_to_tensor(g)  # IndexedSlices from gathers
-                 for handle, g in zip(handles, read_grads)
-                 if g is not None and _same_tensor(handle, variable.handle)]
-        sums.append(tf.add_n(parts) if len(parts) > 1 else (parts[0] if parts else None))
-    return sums
+    return [_summed([g for handle, g in zip(handles, handle_grads)
+                     if _same_tensor(handle, variable.handle)]) for variable in variables]
 
 
+@tf.autograph.experimental.do_not_convert
 def _outermost(handle):
     """Follow a captured placeholder out through nested function graphs (a while body inside a
     tf.function) to the tensor it stands for: a variable's own handle."""

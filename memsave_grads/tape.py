@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 from typing import Any, Callable, TypeVar
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads import _validate
 from memsave_grads import api
 from memsave_grads import errors
 from memsave_grads._tf import tape_record
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
@@ -225,7 +228,7 @@ def _notice(kind: str, why: str) -> None:
     if kind in _NOTICED:
         return
     _NOTICED.add(kind)
-    logging.warning(
+    _LOG.warning(
         "memsave_grads: a routed tf.GradientTape %s is computed by TensorFlow's own tape, "
         "without saving memory: %s. (Said once for this kind of call.)", kind, why)
 

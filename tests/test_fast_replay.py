@@ -1,5 +1,6 @@
 """The fast replay gives memory_model.replay's peak and problem.score's cost, plan for plan."""
 
+import dataclasses
 import random
 
 import pytest
@@ -37,6 +38,23 @@ def test_same_peak_and_cost_as_the_replay_on_random_plans(seed):
         peak, cost = fast.score(kept)
         assert peak == expected_peak, sorted(kept)
         assert cost == pytest.approx(expected_cost)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_function_ops_bytes_get_the_replay_s_numbers(seed):
+    """Graphs with conds, loops or calls (internal saved and exposed bytes, design note
+    "control flow and calls"): the same numbers as the full replay."""
+    problem = random_problem(seed, low=8, high=30)
+    rng = random.Random(seed)
+    n = problem.graph.num_nodes
+    graph = dataclasses.replace(
+        problem.graph, internal_saved_bytes=tuple(rng.choice([0, 0, 7, 30]) for _ in range(n)),
+        exposed_bytes=tuple(rng.choice([0, 0, 0, 11]) for _ in range(n)))
+    fast = fast_replay.FastReplay(graph, problem.not_replayed)
+    for _ in range(10):
+        kept = {v for v in problem.candidates if rng.random() < 0.3} | problem.must_keep
+        kept = graph_lib.close_segments(graph, kept)
+        assert fast.score(kept) == pytest.approx(_replayed(graph, kept, problem.not_replayed))
 
 
 @settings(max_examples=150, deadline=None)

@@ -1,7 +1,7 @@
 """The layering rule (docs/design.md): which part of the package may import which.
 
 - ``memsave_grads.core`` is TensorFlow-free: it imports only itself, the exception hierarchy,
-  the standard library, numpy, scipy (inside functions: it is optional) and absl logging; and
+  the standard library, numpy and scipy (inside functions: it is optional); and
   importing it, or the package, loads no TensorFlow or Keras.
 - Only ``memsave_grads._tf`` (and the benchmarks) reach into private TensorFlow modules,
   except for the few listed below with their reasons.
@@ -190,18 +190,18 @@ def test_the_tensorflow_check_sees_tensorflow():
     assert "tensorflow" in _tensorflow_loaded_by("import memsave_grads._tf.graph\n")
 
 
-def test_the_core_imports_only_the_core_stdlib_numpy_scipy_and_absl_logging(imports):
+def test_the_core_imports_only_the_core_stdlib_numpy_and_scipy(imports):
     def allowed(imp: Import) -> bool:
         top = imp.target.split(".")[0]
         return (_under(imp.target, "memsave_grads.core") or imp.target in CORE_MAY_IMPORT
                 or top in sys.stdlib_module_names or top == "numpy"
-                or (top == "scipy" and imp.deferred) or imp.target == "absl.logging")
+                or (top == "scipy" and imp.deferred))
 
     core = [imp for imp in imports if _under(imp.importer, "memsave_grads.core")]
     assert core, "no imports read from memsave_grads/core"
     wrong = [str(imp) for imp in core if not allowed(imp)]
-    assert not wrong, "the core may import only itself, the stdlib, numpy, scipy (deferred) " \
-        "and absl.logging:\n" + "\n".join(wrong)
+    assert not wrong, "the core may import only itself, the stdlib, numpy and scipy " \
+        "(deferred):\n" + "\n".join(wrong)
 
 
 def test_what_the_core_may_import_from_outside_it_is_tensorflow_free(imports):
@@ -416,7 +416,7 @@ def test_the_core_tests_import_nothing_of_tensorflow_even_in_a_test_body():
             top = imp.target.split(".")[0]
             if not (_under(imp.target, "memsave_grads.core") or imp.target in CORE_MAY_IMPORT
                     or top in sys.stdlib_module_names or top in CORE_TESTS_MAY_IMPORT
-                    or top in ("numpy", "scipy") or imp.target == "absl.logging"):
+                    or top in ("numpy", "scipy")):
                 wrong.append(str(imp))
     assert not wrong, "\n".join(wrong)
 

@@ -8,7 +8,7 @@ executor's order, and with it the peak, repeats from run to run.
 import numpy as np
 import pytest
 import tensorflow as tf
-from absl import logging
+import logging
 
 import children
 import memsave_grads as mg
@@ -184,13 +184,8 @@ def test_the_decision_is_logged_and_explained(caplog):
     with graph.as_default():
         _, loss, weights = _wide(branches=4)
         report = mg.explain(loss, weights, checkpoints="memory")
-        verbosity = logging.get_verbosity()
-        logging.set_verbosity(1)
-        try:
-            with caplog.at_level(1, logger="absl"):
-                mg.gradients(loss, weights, checkpoints="memory")
-        finally:
-            logging.set_verbosity(verbosity)
+        with caplog.at_level(logging.DEBUG, logger="memsave_grads"):
+            mg.gradients(loss, weights, checkpoints="memory")
     messages = [r.getMessage() for r in caplog.records]
     assert any("not predicted to peak at least 10% below tf.gradients" in m
                and "keeping plain tf.gradients' schedule" in m for m in messages), messages
@@ -237,7 +232,7 @@ def test_explicit_checkpoints_are_kept_with_a_warning(caplog):
     with graph.as_default():
         _, loss, weights = _bias_chain(depth=6)
         matmuls = [op.outputs[0] for op in graph.get_operations() if op.type == "MatMul"]
-        with caplog.at_level(logging.WARNING, logger="absl"):
+        with caplog.at_level(logging.WARNING, logger="memsave_grads"):
             mg.gradients(loss, weights, checkpoints=matmuls)
         report = mg.explain(loss, weights, checkpoints=matmuls)
     assert _has_copies(graph)
@@ -439,7 +434,7 @@ def test_a_strategy_that_cannot_help_says_so_once(caplog):
     from memsave_grads import api  # pylint: disable=import-outside-toplevel
     api._WARNED_PLAIN.clear()  # pylint: disable=protected-access
     graph = tf.Graph()
-    with graph.as_default(), caplog.at_level(logging.WARNING, logger="absl"):
+    with graph.as_default(), caplog.at_level(logging.WARNING, logger="memsave_grads"):
         _, loss, weights = _wide(branches=4)
         mg.gradients(loss, weights, checkpoints="memory")
         mg.gradients(loss, weights, checkpoints="memory")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -1456,13 +1457,13 @@ def _records(sc: Scenario, mode: str, container: str, outcomes, values, run_erro
 def run_mode(mode: str, out_path: str, only: list[str] | None = None) -> None:
     """Run every scenario of ``mode``; one JSON line per record, flushed per scenario so that a
     crash loses only what was not evaluated yet."""
-    from absl import logging  # pylint: disable=import-outside-toplevel
     from memsave_grads._tf import selection  # pylint: disable=import-outside-toplevel
     set_up_mode(mode)
     # The scenarios are small: the never-worse rule would hand most of them to plain
     # tf.gradients, and the suite is about the rewrite's semantics (tests/conftest.py).
     selection.NEVER_WORSE_RULE = False
-    logging.set_verbosity(logging.ERROR)  # the fallback warnings are counted, not shown
+    # The fallback warnings are counted, not shown.
+    logging.getLogger("memsave_grads").setLevel(logging.ERROR)
     tf.get_logger().setLevel("ERROR")
     call_log = CallLog()
     phases = {"graph": _graph_phase, "function": _function_phase}

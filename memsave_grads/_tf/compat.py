@@ -17,13 +17,15 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import re
 import sys
 
-from absl import logging
-
 from memsave_grads.errors import MissingDependencyError
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 #: Oldest TensorFlow the package is tested on (inclusive), as (major, minor).
 MIN_TF_VERSION = (2, 16)
@@ -92,12 +94,12 @@ def check_version(version: str | None) -> None:
     try:
         found = parse_version(version)
     except ValueError:
-        logging.warning("TensorFlow reports version %r, which we cannot parse; supported: %s",
-                        version, SUPPORTED_RANGE)
+        _LOG.warning("TensorFlow reports version %r, which we cannot parse; supported: %s",
+                     version, SUPPORTED_RANGE)
         return
     if found < MIN_TF_VERSION and os.environ.get(ALLOW_OLD_TF_ENV) == "1":
-        logging.warning("TensorFlow %s is older than the supported %s; running anyway (%s=1)",
-                        version, SUPPORTED_RANGE, ALLOW_OLD_TF_ENV)
+        _LOG.warning("TensorFlow %s is older than the supported %s; running anyway (%s=1)",
+                     version, SUPPORTED_RANGE, ALLOW_OLD_TF_ENV)
     elif found < MIN_TF_VERSION:
         raise MissingDependencyError(
             f"memsave_grads needs TensorFlow {SUPPORTED_RANGE}, but TensorFlow {version} is "
@@ -107,7 +109,7 @@ def check_version(version: str | None) -> None:
             f'pip install -U "tensorflow-cpu{SUPPORTED_RANGE}" (or set {ALLOW_OLD_TF_ENV}=1 '
             "to try it anyway).")
     if found >= MAX_TF_VERSION_EXCLUSIVE:
-        logging.warning(
+        _LOG.warning(
             "TensorFlow %s is newer than the versions memsave_grads is tested on (%s): private "
             "graph APIs may have changed; `pytest tests/test_packaging.py` from the source tree "
             "checks them.", version, SUPPORTED_RANGE)

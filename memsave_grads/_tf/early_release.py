@@ -13,14 +13,17 @@ are ``_tf.graph.walk``; "newer than ``floor``" compares creation indices
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Iterable, Sequence
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import ordering
 from memsave_grads.core import op_types
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 
 def last_op_id(graph: tf.Graph) -> int:
@@ -215,8 +218,8 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int,
     if not dependencies.known:
         # Any edge might close a cycle with edges tf.function adds later: leave the updates
         # to dataflow (values are the same; the step only saves less).
-        logging.vlog(1, "memsave_grads: TF1 control flow in the traced step: the updates are "
-                     "left unordered")
+        _LOG.debug("memsave_grads: TF1 control flow in the traced step: the updates are "
+                   "left unordered")
         return stats
     for update in updates:
         # The ops taking the handle other than reads: the assignments, fused apply kernels,
@@ -252,8 +255,8 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int,
         for producer in current.producers:
             if producer in upstream:
                 stats["skipped_cycles"] += 1
-                logging.vlog(1, "memsave_grads: %s cannot wait for the update of %s (it feeds "
-                             "that update); left unordered", producer.name, previous.name)
+                _LOG.debug("memsave_grads: %s cannot wait for the update of %s (it feeds "
+                           "that update); left unordered", producer.name, previous.name)
                 continue
             _add_control_inputs(producer, sinks)
             stats["release_before_allocate"] += 1
@@ -300,9 +303,9 @@ def order_updates_early(loss: tf.Tensor, var_list: Sequence, handles: Sequence, 
                      if tf_graph.creation_index(r) > grad_floor or r in step_ops]))
     unordered = [u.name for u in updates if not u.fed_ops]
     if unordered:
-        logging.warning("%s: apply_gradients of %s built no op reading the gradient or the "
-                        "variable of %s; those updates are left to dataflow.", caller,
-                        optimizer_name, unordered[:3])
+        _LOG.warning("%s: apply_gradients of %s built no op reading the gradient or the "
+                     "variable of %s; those updates are left to dataflow.", caller,
+                     optimizer_name, unordered[:3])
         updates = [u for u in updates if u.fed_ops]
     # Why control dependencies at all: dataflow alone already runs an update as soon as its
     # gradient exists, but nothing stops the backward pass from running ahead of the updates,
@@ -326,13 +329,13 @@ def order_updates_early(loss: tf.Tensor, var_list: Sequence, handles: Sequence, 
             "dependencies, which XLA drops: updates stay exact, but when each gradient is "
             "released is up to XLA's scheduler. Recomputation savings are kept (design note "
             "\"ordering under XLA\").")
-    logging.vlog(1, "%s: %d variables; control edges %s", caller, len(updates), stats)
+    _LOG.debug("%s: %d variables; control edges %s", caller, len(updates), stats)
     if stats["skipped_cycles"]:
-        logging.info("%s: %d ordering edges would have closed a cycle and were left out (a "
-                     "weight used twice, two gradients from one op such as batch norm's gamma "
-                     "and beta, or gradients combined across variables such as a global-norm "
-                     "clip); those updates run when dataflow allows.", caller,
-                     stats["skipped_cycles"])
+        _LOG.info("%s: %d ordering edges would have closed a cycle and were left out (a "
+                  "weight used twice, two gradients from one op such as batch norm's gamma "
+                  "and beta, or gradients combined across variables such as a global-norm "
+                  "clip); those updates run when dataflow allows.", caller,
+                  stats["skipped_cycles"])
 
 
 def _step_ancestors(loss: tf.Tensor) -> set:

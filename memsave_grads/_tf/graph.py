@@ -20,6 +20,7 @@ from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gradients_impl
+from tensorflow.python.ops import handle_data_util
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import _pywrap_util_port
 
@@ -132,6 +133,44 @@ def gradients_stopped_at(ys, sources, grad_ys, stops, **tf_gradients_kwargs) -> 
     finally:
         for op, function in saved:
             op._gradient_function = function  # pylint: disable=protected-access
+
+
+def is_handle_gradient_read(op: tf.Operation) -> bool:
+    """A variable read whose gradient goes to its handle (``op_types.
+    HANDLE_GRADIENT_READ_OP_TYPES``; a gather only without ``batch_dims``)."""
+    if op.type not in op_types.HANDLE_GRADIENT_READ_OP_TYPES:
+        return False
+    try:
+        return op.type in op_types.VARIABLE_READ_OP_TYPES or op.get_attr("batch_dims") == 0
+    except ValueError:
+        return True
+
+
+def variable_bytes(handle: tf.Tensor) -> int:
+    """Bytes of the variable behind a resource ``handle``, from its handle data (0 where
+    unknown)."""
+    try:
+        data = handle_data_util.get_handle_data(handle)
+    except (AttributeError, TypeError, ValueError):
+        return 0
+    if data is None or not data.is_set or not data.shape_and_type:
+        return 0
+    entry = data.shape_and_type[0]
+    shape = tf.TensorShape(entry.shape)
+    return _elements(shape) * tf.dtypes.as_dtype(entry.dtype).size
+
+
+def handle_gradient(read_type: str, grad, handle: tf.Tensor, indices: tf.Tensor | None = None):
+    """The gradient a variable read of type ``read_type`` sends to its ``handle`` for the
+    gradient ``grad`` of the value it read, as its registered gradient does: the gradient itself
+    (``ReadVariableOp``), or ``IndexedSlices`` of the rows at ``indices`` (``ResourceGather``)."""
+    if grad is None or read_type in op_types.VARIABLE_READ_OP_TYPES:
+        return grad
+    grad = tf.convert_to_tensor(grad)
+    params_shape = resource_variable_ops.variable_shape(handle)
+    size = tf.expand_dims(tf.size(indices), 0)
+    values = tf.reshape(grad, tf.concat([size, params_shape[1:]], 0))
+    return tf.IndexedSlices(values, tf.reshape(indices, size), params_shape)
 
 
 def is_resource_variable(value) -> bool:
@@ -391,11 +430,6 @@ def _function_nodes(graph, name: str) -> list:
     return []
 
 
-def _called_op_types(call: tf.Operation) -> list[str]:
-    """Op types inside the function a call op runs, nested calls included."""
-    return _op_types_in_functions(call.graph, [call.get_attr("f").name])
-
-
 def _op_types_in_functions(graph, names: Sequence[str]) -> list[str]:
     """Op types inside the graph functions ``names`` (as ``graph`` sees them), and inside the
     functions their ops run: calls, and the branches and bodies of conds and loops (a second
@@ -444,13 +478,22 @@ def loop_body_has_custom_gradient(loop: tf.Operation) -> bool:
                for node in nodes if _GRADIENT_OVERRIDE_ATTR in node.attr)
 
 
+#: Ops that run function graphs named in their attributes: calls, conds, switch cases, loops.
+_FUNCTION_RUNNING_OP_TYPES = (op_types.FUNCTION_CALL_OP_TYPES | op_types.COND_OP_TYPES
+                              | op_types.CASE_OP_TYPES | op_types.WHILE_OP_TYPES)
+
+
 def op_types_run(op: tf.Operation) -> list[str]:
-    """The types of the ops that running ``op`` runs: its own and, for a function call, those
-    of the function (nested calls included; none where the function cannot be read)."""
-    if op.type not in op_types.FUNCTION_CALL_OP_TYPES:
+    """The types of the ops that running ``op`` runs: its own and, for a function call, a
+    cond's branches or a loop's body, those of its functions (nested ones included; none where
+    a function cannot be read)."""
+    if op.type not in _FUNCTION_RUNNING_OP_TYPES:
         return [op.type]
     try:
-        return [op.type, *_called_op_types(op)]
+        names = [value.func.name for value in op.node_def.attr.values()
+                 if value.HasField("func")]
+        names += [f.name for value in op.node_def.attr.values() for f in value.list.func]
+        return [op.type, *_op_types_in_functions(op.graph, names)]
     except (AttributeError, ValueError):
         return [op.type]
 
@@ -643,14 +686,17 @@ def _variable_gradient_bytes(region, index, x_refs, gradients_held: bool) -> lis
 
 
 def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
-                     ys: Sequence[tf.Tensor],
-                     gradients_held: bool = False) -> graph_lib.ForwardGraph:
+                     ys: Sequence[tf.Tensor], gradients_held: bool = False,
+                     function_facts: Callable | None = None) -> graph_lib.ForwardGraph:
     """The TF-free model of ``region`` (node ``i`` is ``region[i]``); ``gradients_held`` as in
     ``ForwardGraph``.
 
     Variable reads count 0 bytes: their output aliases the variable's buffer, which is resident
-    anyway.
+    anyway. ``function_facts(op)``: for a cond, loop or function call, what its gradient keeps,
+    read from its bodies (``function_ops.gradient_facts``); None for other ops. Without it such
+    ops are modelled by their type alone, as one op that keeps its inputs.
     """
+    facts = [function_facts(op) if function_facts is not None else None for op in region]
     index = {op: i for i, op in enumerate(region)}
     x_refs = {x.ref() for x in xs}
     y_ops = {y.op for y in ys}
@@ -661,9 +707,10 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
         reads_source.append(any(t.ref() in x_refs for t in op.inputs))
     # Which inputs each gradient reads: an input needed only for a constant's gradient is not
     # read (``0.5 * x``), since that gradient is pruned from the step.
-    reads_inputs = [op_types.gradient_reads_inputs(op.type) for op in region]
+    reads_inputs = [op_types.gradient_reads_inputs(op.type) if found is None
+                    else bool(found.read_inputs) for op, found in zip(region, facts)]
     unread = []
-    for op in region:
+    for op, found in zip(region, facts):
         differentiable = [carries_gradients(t) and (t.op in index or t.ref() in x_refs)
                           for t in op.inputs]
         static_shapes = all(t.shape.is_fully_defined()
@@ -671,8 +718,9 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
         read = {}
         for i, t in enumerate(op.inputs):
             if t.op in index:
-                read[index[t.op]] = read.get(index[t.op], False) or \
-                    op_types.gradient_reads_input(op.type, i, differentiable, static_shapes)
+                reads = (i in found.read_inputs if found is not None else
+                         op_types.gradient_reads_input(op.type, i, differentiable, static_shapes))
+                read[index[t.op]] = read.get(index[t.op], False) or reads
         unread.append(frozenset(p for p, r in read.items() if not r))
     # A view (reshape, identity) costs no bytes, but "reads" its input whenever a consumer's
     # gradient reads the view: that keeps the shared buffer alive in the memory model.
@@ -690,13 +738,17 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
         names=tuple(op.name for op in region),
         expensive=tuple(is_expensive(op) for op in region),
         grad_reads_inputs=tuple(reads_inputs),
-        grad_reads_output=tuple(op_types.gradient_reads_output(op.type) for op in region),
+        grad_reads_output=tuple(op_types.gradient_reads_output(op.type) if found is None
+                                else found.reads_output for op, found in zip(region, facts)),
         param_bytes=tuple(params),
         views=tuple(op.type in op_types.MEMORY_MODEL_VIEW_OP_TYPES for op in region),
-        costs=tuple(op_flops(op) for op in region),
+        costs=tuple(op_flops(op) if found is None else found.cost
+                    for op, found in zip(region, facts)),
         unread_inputs=tuple(frozenset(u) if reads else frozenset()
                             for u, reads in zip(unread, reads_inputs)),
         forwards=tuple(op_types.forwards_input_buffer(op.type) for op in region),
         no_gradient=tuple(not any(carries_gradients(t) for t in op.outputs) for op in region),
+        internal_saved_bytes=(tuple(0 if found is None else found.saved_bytes for found in facts)
+                              if any(f is not None for f in facts) else ()),
         gradients_held=gradients_held,
     )

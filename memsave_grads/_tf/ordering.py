@@ -17,12 +17,15 @@ Only under XLA: outside it the subtraction would materialize a copy of a tensor 
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Iterable, Sequence
 
 import tensorflow as tf
-from absl import logging
 from tensorflow.python.ops import control_flow_util
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 _warned: set[str] = set()
 
@@ -107,7 +110,7 @@ def warn_once(key: str, message: str, *args) -> None:
     if key in _warned:
         return
     _warned.add(key)
-    logging.warning(message, *args)
+    _LOG.warning(message, *args)
 
 
 def warn_unordered(what: str, tensors: Sequence[tf.Tensor]) -> None:

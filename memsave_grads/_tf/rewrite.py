@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
@@ -34,7 +34,8 @@ _CACHED_FUNC_GRAPH_ATTRS = ("_true_graph", "_false_graph", "_cond_graph", "_body
 def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[tf.Operation],
              replacements: Mapping | None = None,
              graph: tf.Graph | None = None,
-             arrival: tf.Tensor | None = None) -> dict[tf.Operation, tf.Operation]:
+             arrival: tf.Tensor | None = None,
+             replay: Callable | None = None) -> dict[tf.Operation, tf.Operation]:
     """Copy ``ops`` (topologically ordered, one graph) and return ``{original: copy}``, plus
     ``{op: op}`` for the few helper ops made along the way (identities that delay a While
     copy's inputs), so that the values of the mapping are the whole copied region.
@@ -53,6 +54,11 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
     ``arrival`` (under XLA, which drops control inputs): the zero of
     ``ordering.gradient_arrival``; each copy that reads no other copy reads one of its inputs
     through ``ordering.after`` (design note "ordering under XLA").
+
+    ``replay(op, inputs, control_inputs, graph)``: where it returns a replay (a stateful
+    cond or call that ``_tf.exposure.replay_copy`` recomputes from its exposed state), that is
+    the op's copy: its ``stand_in`` takes the op's place, and every op it made belongs to the
+    copied region (design note "control flow and calls").
     """
     if not ops:
         return {}
@@ -71,6 +77,11 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
                      if c in copies or c.graph is graph]
             if not any(t.op in copies for t in op.inputs):
                 extra.extend(control_inputs)
+            replayed = replay(op, inputs, extra, graph) if replay is not None else None
+            if replayed is not None:
+                copies.update((made, made) for made in replayed.made)
+                copies[op] = replayed.stand_in
+                continue
             if extra and op.type in op_types.WHILE_OP_TYPES:
                 # while_v2's gradient appends accumulator inputs to the forward While op; a
                 # NodeDef whose data inputs follow control inputs is invalid in a Session. The

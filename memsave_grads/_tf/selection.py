@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from typing import Callable, Iterable, Sequence
 
 import tensorflow as tf
-from absl import logging
 
+from memsave_grads._tf import function_ops
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads.core import budgets
 from memsave_grads.core import fast_replay
@@ -28,6 +29,9 @@ from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import policies
 from memsave_grads.core import solvers
 from memsave_grads.core.solvers import problem as problem_lib
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 COLLECTION_NAME = "checkpoints"
 
@@ -43,16 +47,39 @@ class SelectionContext:
     must_keep: set[tf.Operation]
     #: The gradients of xs stay alive until an optimizer applies them all (ForwardGraph).
     gradients_held: bool = False
+    #: Loops of the region whose bodies the plan recomputes inside, with how (``loops.chosen``:
+    #: op -> ``loops.LoopPlan``): the model counts what they store so; the rewrite replaces
+    #: their bodies before it runs.
+    recomputed_loops: dict = dataclasses.field(default_factory=dict)
     _model: graph_lib.ForwardGraph | None = None
+    _plain_model: graph_lib.ForwardGraph | None = None
     _workspace: list[int] | None = None
     _needs_gradient: set | None = None
 
     @property
     def model(self) -> graph_lib.ForwardGraph:
         if self._model is None:
-            self._model = tf_graph.to_forward_graph(self.region, self.xs, self.ys,
-                                                    self.gradients_held)
+            model = tf_graph.to_forward_graph(
+                self.region, self.xs, self.ys, self.gradients_held,
+                function_facts=function_ops.gradient_facts)
+            self._plain_model = model
+            exposed = [_exposed_bytes(op) if op not in self.must_keep else 0
+                       for op in self.region]
+            if any(exposed):
+                model = dataclasses.replace(model, exposed_bytes=tuple(exposed))
+            if self.recomputed_loops:
+                model = dataclasses.replace(model, internal_saved_bytes=tuple(
+                    self.recomputed_loops[op].saved_bytes if op in self.recomputed_loops
+                    else model.internal_saved(i) for i, op in enumerate(self.region)))
+            self._model = model
         return self._model
+
+    @property
+    def plain_model(self) -> graph_lib.ForwardGraph:
+        """The model of plain tf.gradients: :attr:`model`, the loops' bodies as they are."""
+        if self._plain_model is None:
+            _ = self.model
+        return self._plain_model
 
     @property
     def unknown_dimensions(self) -> bool:
@@ -96,13 +123,26 @@ class SelectionContext:
         excluded = {index[op] for op in self.endpoint_ops if op in index}
         candidates = [i for i in range(len(self.region)) if i not in excluded]
         must_keep = [index[op] for op in self.must_keep if op in index]
-        not_replayed = [i for i in must_keep if not tf_graph.is_replayable(self.region[i])]
+        # A loop recomputed inside is differentiated where it ran: a copy would not carry the
+        # recomputation's gradient, which refers to the loop's own body (design note "control
+        # flow and calls").
+        not_replayed = [i for i in must_keep if not tf_graph.is_replayable(self.region[i])
+                        or self.region[i] in self.recomputed_loops]
         return candidates, must_keep, not_replayed
 
     @property
     def endpoint_ops(self) -> set[tf.Operation]:
         """Ops producing xs or ys: never chosen by a strategy (they are kept or seeded anyway)."""
         return {t.op for t in self.xs} | {t.op for t in self.ys}
+
+
+def _exposed_bytes(op: tf.Operation) -> int:
+    """Bytes a stateful cond or call outputs in addition where a plan replays it
+    (``function_ops.exposure_plan``; a cond runs one branch: the largest); 0 for other ops."""
+    if not function_ops.is_function_op(op) or tf_graph.is_replayable(op):
+        return 0
+    bodies = function_ops.exposure_plan(op)
+    return max((b.exposed_bytes for b in bodies), default=0) if bodies else 0
 
 
 #: Convolutions oneDNN runs (other dtypes, such as float64 and float16, fall back to Eigen).
@@ -169,6 +209,11 @@ def select_memory(ctx: SelectionContext) -> plan_lib.Plan:
     connections of any DAG."""
     candidates, must_keep, not_replayed = ctx.node_sets()
     plan = solvers.memory_plan(ctx.model, must_keep, candidates, not_replayed)
+    if plan is None and ctx.recomputed_loops:
+        # Nothing to cut, but the loops recompute inside (design note "control flow and
+        # calls"): the plan keeps what is kept anyway.
+        return keep_ops(ctx, (), "memory").replace(
+            reason="no position to cut; the loops' bodies are recomputed inside")
     if plan is None:
         raise _no_checkpoints(
             "memory", f"no cut of the {len(ctx.region)} forward ops between xs and ys "
@@ -191,10 +236,12 @@ def select_budget(ctx: SelectionContext, budget: budgets.Budget) -> plan_lib.Pla
         model = dataclasses.replace(model, costs=budgets.calibrated_costs(
             model.names, model.costs, budget.op_seconds))
     candidates, must_keep, not_replayed = ctx.node_sets()
+    # A fraction is of plain tf.gradients' peak, the loops' bodies as they are.
+    plain_bytes = fast_replay.plain_peak_bytes(ctx.plain_model)
     problem = problem_lib.BudgetProblem(
-        graph=model, budget_bytes=budget.resolve_bytes(fast_replay.plain_peak_bytes(model)),
+        graph=model, budget_bytes=budget.resolve_bytes(plain_bytes),
         must_keep=frozenset(must_keep), candidates=frozenset(candidates),
-        not_replayed=frozenset(not_replayed))
+        not_replayed=frozenset(not_replayed), plain_peak_bytes=plain_bytes)
     return solvers.solve(problem, budget.solver)
 
 
@@ -288,9 +335,13 @@ def _plan_key(ctx: SelectionContext, checkpoints: ParsedCheckpoints):
     if budget is not None and budget.op_seconds:
         return None
     candidates, must_keep, not_replayed = ctx.node_sets()
-    # The model without its memo: the key outlives this call, its planners' caches need not.
+    # The models without their memo: the key outlives this call, its planners' caches need
+    # not. A budget's fraction is of plain tf.gradients' model, which differs from the
+    # planners' where loops are recomputed inside.
     strategy = repr(budget) if budget is not None else checkpoints.strategy
-    return (graph_lib.without_memo(ctx.model), strategy, tuple(candidates),
+    plain = (graph_lib.without_memo(ctx.plain_model)
+             if budget is not None and ctx.plain_model is not ctx.model else None)
+    return (graph_lib.without_memo(ctx.model), plain, strategy, tuple(candidates),
             tuple(sorted(must_keep)), tuple(sorted(not_replayed)))
 
 
@@ -302,8 +353,8 @@ def make_plan(ctx: SelectionContext, checkpoints: ParsedCheckpoints) -> plan_lib
     key = _plan_key(ctx, checkpoints)
     if key is not None and key in _PLANS:
         _PLANS.move_to_end(key)
-        logging.vlog(1, "memsave_grads: the plan of this graph (%d forward ops) was made "
-                     "before; not planning again", len(ctx.region))
+        _LOG.debug("memsave_grads: the plan of this graph (%d forward ops) was made before; "
+                   "not planning again", len(ctx.region))
         return _PLANS[key]
     plan = _make_plan(ctx, checkpoints)
     if key is not None:
@@ -371,15 +422,16 @@ def _predicted_peaks(ctx: SelectionContext, plan: plan_lib.Plan,
     workspace = ctx.workspace_bytes
     scratch = max(workspace) if workspace else 0
     plan_workspace = [scratch_factor * w for w in workspace] if workspace else None
-    model = ctx.model
+    model, plain_model = ctx.model, ctx.plain_model
     if ctx.unknown_dimensions:
         model = dataclasses.replace(model, param_bytes=())
+        plain_model = dataclasses.replace(plain_model, param_bytes=())
     if plan.children:  # nested levels: the full replay
         peak, _ = memory_model.plan_peak_and_cost(model, plan, plan_workspace)
     else:
         peak = fast_replay.replayer(model, plan.not_replayed, plan_workspace).peak_bytes(
             plan.kept)
-    return peak, fast_replay.plain_peak_bytes(model, workspace), scratch
+    return peak, fast_replay.plain_peak_bytes(plain_model, workspace), scratch
 
 
 def decide_schedule(ctx: SelectionContext, checkpoints: ParsedCheckpoints,
@@ -398,7 +450,8 @@ def decide_schedule(ctx: SelectionContext, checkpoints: ParsedCheckpoints,
         return ScheduleDecision(True, "the never-worse rule is switched off")
     explicit = checkpoints.explicit
     _, must_keep, _ = ctx.node_sets()
-    if not explicit and not (plan.chosen or frozenset()) - set(must_keep):
+    if (not explicit and not (plan.chosen or frozenset()) - set(must_keep)
+            and not ctx.recomputed_loops):
         return _logged(checkpoints, ScheduleDecision(
             False, "the strategy keeps nothing beyond the tensors kept anyway (variable reads, "
             "stateful ops, xs), so its plan is plain tf.gradients"))
@@ -411,7 +464,7 @@ def decide_schedule(ctx: SelectionContext, checkpoints: ParsedCheckpoints,
                     if ctx.unknown_dimensions else ""))
     if explicit:
         if peak > plain:
-            logging.warning(
+            _LOG.warning(
                 "memsave_grads: the explicit checkpoints are predicted to peak above plain "
                 "tf.gradients (%s); keeping them as asked. Pass checkpoints='memory' to choose "
                 "them automatically.", predicted)
@@ -437,20 +490,24 @@ def decide_schedule(ctx: SelectionContext, checkpoints: ParsedCheckpoints,
 
 
 def _logged(checkpoints: ParsedCheckpoints, decision: ScheduleDecision) -> ScheduleDecision:
-    logging.vlog(1, "memsave_grads: checkpoints=%s: %s; %s", _describe(checkpoints.given),
-                 decision.reason, "recomputing as planned" if decision.rewrite else
-                 "keeping plain tf.gradients' schedule (the original tf.gradients computes the "
-                 "gradients)")
+    _LOG.debug("memsave_grads: checkpoints=%s: %s; %s", _describe(checkpoints.given),
+               decision.reason, "recomputing as planned" if decision.rewrite else
+               "keeping plain tf.gradients' schedule (the original tf.gradients computes the "
+               "gradients)")
     return decision
 
 
-def forced_keep(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor]) -> set[tf.Operation]:
+def forced_keep(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
+                recomputed_loops: Iterable[tf.Operation] = ()) -> set[tf.Operation]:
     """Ops kept whatever the strategy: they cannot be replayed, or they produce an ``x``.
 
     A stateful op (random draw, variable read, iterator) would give different values if run
     again, so it is never copied; its in-region inputs are kept too, so that its gradient can
-    be taken through the original op from kept tensors alone.
+    be taken through the original op from kept tensors alone. So is a loop whose body is
+    recomputed inside (``recomputed_loops``): its gradient replays each iteration, so a copy
+    of it would only replay the loop once more.
     """
+    recomputed_loops = set(recomputed_loops)
     region_set = set(region)
     x_refs = {x.ref() for x in xs}
     keep = set()
@@ -464,7 +521,10 @@ def forced_keep(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor]) -> set[
                 "tf.gradients for this graph.")
         if any(t.ref() in x_refs for t in op.outputs):
             keep.add(op)
-        if not tf_graph.is_replayable(op):
+        if op in recomputed_loops or (not tf_graph.is_replayable(op)
+                                      and function_ops.exposure_plan(op) is None):
+            # A stateful cond or call that exposes its state is replayed instead (design
+            # note "control flow and calls").
             keep.add(op)
             keep.update(t.op for t in op.inputs if t.op in region_set)
     return keep

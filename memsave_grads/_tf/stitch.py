@@ -15,12 +15,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 from typing import Iterable, Mapping, Sequence
 
 import tensorflow as tf
-from absl import logging
 from tensorflow.core.framework import attr_value_pb2
 
+from memsave_grads._tf import exposure
 from memsave_grads._tf import ordering
 from memsave_grads._tf import rewrite
 from memsave_grads._tf import graph as tf_graph
@@ -28,6 +29,9 @@ from memsave_grads import errors
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import op_types
 from memsave_grads.core import schedule as schedule_lib
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 
 def zeros_like(x: tf.Tensor) -> tf.Tensor:
@@ -311,7 +315,7 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
         with tf.name_scope(f"{scope}/arrival"):
             arrival = ordering.gradient_arrival(incoming)
     copies = rewrite.copy_ops(to_copy, scope, control, replacements=boundaries,
-                              arrival=arrival)
+                              arrival=arrival, replay=exposure.replay_copy)
     targets, target_grads, copied = [], [], []
     for k, ds in active:
         op = state.ops[k]
@@ -344,5 +348,5 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
     else:
         state.run(targets, target_grads, copied_sources + original_sources,
                   readers=readers + original_sources)
-    logging.vlog(1, "memsave_grads: level %s: %d kept ops, %d ops recomputed",
-                 label, len(active), len(to_copy))
+    _LOG.debug("memsave_grads: level %s: %d kept ops, %d ops recomputed",
+               label, len(active), len(to_copy))

@@ -12,16 +12,19 @@ method alike. The graph is built again for every measurement (building it is not
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Callable, Sequence
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads import api
 from memsave_grads.bench import graphs
 from memsave_grads import _tables as tables
 from memsave_grads.patching import original_gradients
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +105,12 @@ def measure(spec: BuildSpec, methods: Sequence, rounds: int = 3) -> BuildResult:
                 seconds, graph_ops, added = _build_once(spec, method)
             except Exception as e:  # pylint: disable=broad-except  # the row says so
                 failed[label] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-                logging.exception("%s %d, %s failed", spec.family, spec.size, label)
+                _LOG.exception("%s %d, %s failed", spec.family, spec.size, label)
                 continue
             if method is None:
                 tf_gradients_ops = added
             best[label] = min(best.get(label, float("inf")), seconds)
-    logging.info("%s %d: %s", spec.family, spec.size,
+    _LOG.info("%s %d: %s", spec.family, spec.size,
                  {m: f"{s:.2f} s" for m, s in best.items()})
     return BuildResult(spec, graph_ops, tf_gradients_ops, best, failed)
 

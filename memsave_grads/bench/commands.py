@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import math
 import os
 import time
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads import _explain as explain_lib
 from memsave_grads import _tables as tables
@@ -25,6 +25,7 @@ from memsave_grads import fit_limit
 from memsave_grads import keras as mg_keras
 from memsave_grads import measure
 from memsave_grads.bench import build_time as bench_build_time
+from memsave_grads.bench import control_flow as bench_control_flow
 from memsave_grads.bench import harness
 from memsave_grads.bench import models
 from memsave_grads.bench import solvers as bench_solvers
@@ -32,6 +33,9 @@ from memsave_grads.bench import xla as bench_xla
 from memsave_grads.core import budgets as core_budgets
 from memsave_grads.core import memory_model
 from memsave_grads.core import solvers as core_solvers
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 
 def _environment_line() -> str:
@@ -51,14 +55,14 @@ def _write(args: argparse.Namespace, text: str, title: str, data: dict | None = 
         if getattr(args, "output", None):
             with open(args.output, "w", encoding="utf-8") as f:
                 f.write(text + "\n")
-            logging.info("wrote %s", args.output)
+            _LOG.info("wrote %s", args.output)
         return
     print(text)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(f"# {title}\n\n{datetime.date.today().isoformat()}, {_environment_line()}."
                     f"\n\n{text}\n")
-        logging.info("wrote %s", args.output)
+        _LOG.info("wrote %s", args.output)
 
 
 def _budget_methods(fractions) -> list[harness.Method]:
@@ -77,7 +81,7 @@ def demo(args: argparse.Namespace) -> int:
           f"{args.repeats}. {_environment_line()}.\n", flush=True)
     start = time.perf_counter()
     results = harness.measure_model(spec, harness.DEMO_METHODS, repeats=args.repeats)
-    logging.info("demo measured in %.1f s", time.perf_counter() - start)
+    _LOG.info("demo measured in %.1f s", time.perf_counter() - start)
     print(harness.demo_table(results))
     print()
     line = harness.summary_line(results, harness.MEMORY)
@@ -90,18 +94,25 @@ def benchmark(args: argparse.Namespace) -> int:
     model failed unexpectedly."""
     start = time.perf_counter()
     sections, status, data = [], 0, {"repeats": args.repeats}
-    if args.xla != "only":
+    control_flow_only = args.control_flow == "only"
+    if args.xla != "only" and not control_flow_only:
         results, status = _graph_benchmark(args)
         data["graph"] = results
         sections.append(harness.benchmark_table(results) + "\n\n" + harness.TABLE_NOTES)
-    if args.xla != "without":
+    if args.xla != "without" and not control_flow_only:
         results, xla_status = _xla_benchmark(args)
         data["xla"] = results
         status = max(status, xla_status)
         if results:
             sections.append("## Under XLA\n\n" + bench_xla.table(results) + "\n\n" +
                             bench_xla.TABLE_NOTES)
-    logging.info("benchmark measured in %.1f s", time.perf_counter() - start)
+    if args.control_flow != "without":
+        results, cf_status = _control_flow_benchmark()
+        data["control_flow"] = results
+        status = max(status, cf_status)
+        sections.append("## Control flow and calls\n\n" + bench_control_flow.table(results)
+                        + "\n\n" + bench_control_flow.TABLE_NOTES)
+    _LOG.info("benchmark measured in %.1f s", time.perf_counter() - start)
     _write(args, "\n\n".join(sections), f"memsave_grads benchmark, median of {args.repeats} "
            "steps", data)
     return status
@@ -114,19 +125,19 @@ def _graph_benchmark(args: argparse.Namespace) -> tuple[list, int]:
     all_results = []
     status = 0
     for i, spec in enumerate(specs, 1):
-        logging.info("[%d/%d] %s ...", i, len(specs), spec.description)
+        _LOG.info("[%d/%d] %s ...", i, len(specs), spec.description)
         model_start = time.perf_counter()
         try:
             results = harness.measure_model(spec, repeats=args.repeats)
         except Exception as e:  # pylint: disable=broad-except  # keep the other models' rows
-            logging.exception("[%d/%d] %s failed", i, len(specs), spec.name)
+            _LOG.exception("[%d/%d] %s failed", i, len(specs), spec.name)
             results = harness.failed_results(spec, harness.DEFAULT_METHODS, e)
             status = 1
         all_results.append(results)
         summary = "; ".join(filter(None, (harness.summary_line(results, m)
                                           for m in harness.DEFAULT_METHODS[1:])))
-        logging.info("[%d/%d] %s done in %.1f s. %s", i, len(specs), spec.name,
-                     time.perf_counter() - model_start, summary or "")
+        _LOG.info("[%d/%d] %s done in %.1f s. %s", i, len(specs), spec.name,
+                  time.perf_counter() - model_start, summary or "")
     return all_results, status
 
 
@@ -136,10 +147,21 @@ def _xla_benchmark(args: argparse.Namespace) -> tuple[list, int]:
     specs = models.select(models.xla_models(), args.models)
     all_results = []
     for i, spec in enumerate(specs, 1):
-        logging.info("[XLA %d/%d] %s ...", i, len(specs), spec.description)
+        _LOG.info("[XLA %d/%d] %s ...", i, len(specs), spec.description)
         all_results.append(bench_xla.measure_model(spec, repeats=args.repeats))
     failed = any(r.failed for results in all_results for r in results)
     return all_results, int(failed)
+
+
+def _control_flow_benchmark() -> tuple[list, int]:
+    """The results of :mod:`bench.control_flow` (five forward passes, two methods) and the exit
+    status."""
+    shape = bench_control_flow.Shape()
+    _LOG.info("[control flow] %d blocks, width %d, batch %d (%.3g MiB per activation), "
+              "a fresh process per cell ...", shape.depth, shape.width, shape.batch,
+              shape.activation_mib)
+    results = bench_control_flow.measure_all(shape)
+    return results, int(any(r.failed for r in results))
 
 
 def scaling(args: argparse.Namespace) -> int:
@@ -148,7 +170,7 @@ def scaling(args: argparse.Namespace) -> int:
     points, peak_ratios = [], []
     specs = models.scaling_models()
     for i, (depth, spec) in enumerate(zip(models.SCALING_DEPTHS, specs), 1):
-        logging.info("[%d/%d] %s ...", i, len(specs), spec.description)
+        _LOG.info("[%d/%d] %s ...", i, len(specs), spec.description)
         plain, ours = harness.measure_model(spec, methods, repeats=1)
         points.append((depth, plain.peak_bytes / measure.MIB, ours.peak_bytes / measure.MIB))
         peak_ratios.append(harness.format_peak_ratio(plain.peak_bytes, ours.peak_bytes))
@@ -161,7 +183,7 @@ def scaling(args: argparse.Namespace) -> int:
     build_specs += models.select(models.keras_models(), args.models)
     rows = []
     for i, spec in enumerate(build_specs, 1):
-        logging.info("[%d/%d] rewrite time of %s ...", i, len(build_specs), spec.name)
+        _LOG.info("[%d/%d] rewrite time of %s ...", i, len(build_specs), spec.name)
         plain_s, ours_s, forward_ops = harness.measure_build_seconds(spec)
         rows.append((spec.name, forward_ops, plain_s, ours_s))
     build_table = harness.build_time_table(rows)
@@ -193,7 +215,7 @@ def _plot_scaling(points, path: str) -> None:
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    logging.info("wrote %s", path)
+    _LOG.info("wrote %s", path)
 
 
 def explain(args: argparse.Namespace) -> int:
@@ -239,13 +261,13 @@ def budgets(args: argparse.Namespace) -> int:
     methods = _budget_methods(args.fractions)
     all_results, status = [], 0
     for i, spec in enumerate(models.select(models.benchmark_models(), args.models), 1):
-        logging.info("[%d] %s ...", i, spec.description)
+        _LOG.info("[%d] %s ...", i, spec.description)
         try:
             if args.calibrate:
                 methods = harness.calibrated_methods(spec, args.fractions)
             all_results.append(harness.measure_model(spec, methods, repeats=args.repeats))
         except Exception as e:  # pylint: disable=broad-except  # keep the other models' rows
-            logging.exception("%s failed", spec.name)
+            _LOG.exception("%s failed", spec.name)
             all_results.append(harness.failed_results(spec, methods, e))
             status = 1
     notes = harness.BUDGET_NOTES + (" " + harness.CALIBRATED_NOTES if args.calibrate else "")
@@ -300,7 +322,7 @@ def build_time_command(args: argparse.Namespace) -> int:
     for family in args.families:
         for size in args.sizes or bench_build_time.DEFAULT_SIZES[family]:
             spec = bench_build_time.FAMILIES[family](size)
-            logging.info("%s %d ...", spec.family, size)
+            _LOG.info("%s %d ...", spec.family, size)
             results.append(bench_build_time.measure(spec, methods, rounds=args.rounds))
     _write(args, bench_build_time.table(results, methods) + "\n\n" +
            bench_build_time.TABLE_NOTES, "Gradient construction time against graph size",
@@ -312,8 +334,8 @@ def build_time_command(args: argparse.Namespace) -> int:
 def _log_try(attempt: fit_limit.Attempt, index: int, dimension: str) -> None:
     outcome = "fits" if attempt.fits else (
         "out of memory" if attempt.out_of_memory else "failed")
-    logging.info("%s: %s %d, try %d: %s", attempt.method, dimension, attempt.size, index,
-                 outcome)
+    _LOG.info("%s: %s %d, try %d: %s", attempt.method, dimension, attempt.size, index,
+              outcome)
 
 
 class CommandLineError(errors.InvalidArgumentError):
@@ -327,15 +349,15 @@ def _check_fit_limit_model(args: argparse.Namespace) -> dict | None:
     command line prints it as a usage error), not every method's failure in the table. Returns
     what :func:`fit_limit.check` says was built (None: it could not tell)."""
     start_batch = args.start if args.vary == "batch" else args.batch
-    logging.info("%s: building it once to check it ...", args.model)
+    _LOG.info("%s: building it once to check it ...", args.model)
     try:
         built = fit_limit.check(args.model, start_batch,
                                 None if args.vary == "batch" else args.start)
     except ValueError as e:
         raise CommandLineError(f"argument MODEL: {e}") from None
     if built is None:
-        logging.warning("building %s once before the search did not finish (killed, or past "
-                        "%d s); searching anyway", args.model, fit_limit.PROCESS_TIMEOUT_S)
+        _LOG.warning("building %s once before the search did not finish (killed, or past "
+                     "%d s); searching anyway", args.model, fit_limit.PROCESS_TIMEOUT_S)
     elif built["kind"] == "step":
         if args.keras_remat:
             raise CommandLineError(
@@ -382,7 +404,7 @@ def fit_limit_command(args: argparse.Namespace) -> int:
     built = _check_fit_limit_model(args)
     searches = []
     for method in methods:
-        logging.info("%s: searching from %s %d ...", method, dimension, args.start)
+        _LOG.info("%s: searching from %s %d ...", method, dimension, args.start)
 
         def try_once(size, method=method):
             if args.vary == "batch":
@@ -401,7 +423,7 @@ def fit_limit_command(args: argparse.Namespace) -> int:
 
         searches.append(fit_limit.search(
             method, try_size, args.start, args.max,
-            on_attempt=lambda a: logging.info("%s", fit_limit.progress_line(a, dimension))))
+            on_attempt=lambda a: _LOG.info("%s", fit_limit.progress_line(a, dimension))))
     timings = _time_fit_limit_methods(args, searches)
     fixed = f", batch {args.batch}" if args.vary == "sequence" else ""
     every = f", a size fits if all {args.tries} tries fit" if args.tries > 1 else ""
@@ -417,11 +439,11 @@ def fit_limit_command(args: argparse.Namespace) -> int:
                "timings": timings})
     if args.plot:
         fit_limit.plot(searches, dimension, args.limit_mib, args.plot, title)
-        logging.info("wrote %s", args.plot)
+        _LOG.info("wrote %s", args.plot)
     if all(s.largest is None for s in searches):
         smallest = min((a.size for s in searches for a in s.attempts), default=args.start)
-        logging.error("nothing fit under %d MiB, not even %s %d, with any method",
-                      args.limit_mib, dimension, smallest)
+        _LOG.error("nothing fit under %d MiB, not even %s %d, with any method",
+                   args.limit_mib, dimension, smallest)
         return 1
     # keras.RematScope failing is one of the answers (it does under fit on TensorFlow), not
     # the command's.
@@ -437,12 +459,12 @@ def _time_fit_limit_methods(args: argparse.Namespace, searches) -> list:
               if s.method != fit_limit.PLAIN and s.largest is not None]
     if reference is None or not others:
         return []
-    logging.info("timing %d method(s) against the reference in one process ...", len(others))
+    _LOG.info("timing %d method(s) against the reference in one process ...", len(others))
     timings, why = fit_limit.time_against(
         args.model, reference, others,
         sequence_length_fixed=args.batch if args.vary == "sequence" else None)
     if why:
-        logging.warning("the methods could not be timed against each other: %s", why)
+        _LOG.warning("the methods could not be timed against each other: %s", why)
     return timings
 
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import time
 from typing import Sequence
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads import api
 from memsave_grads._tf import graph as tf_graph
@@ -41,6 +41,9 @@ from memsave_grads.bench.models import ModelSpec
 from memsave_grads.core import budgets
 from memsave_grads.core import calibration as core_calibration
 from memsave_grads.patching import original_gradients
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,7 +211,7 @@ def measure_model(spec: ModelSpec, methods: Sequence[Method] = DEFAULT_METHODS,
                 grads = method.gradients(loss, variables)
             except _NOT_APPLICABLE as e:  # nothing to gain, cannot rewrite, or budget too small
                 result.skipped = _short_reason(e)
-                logging.info("%s / %s: n/a (%s)", spec.name, method.label, e)
+                _LOG.info("%s / %s: n/a (%s)", spec.name, method.label, e)
                 continue
             optimizer = tf.compat.v1.train.GradientDescentOptimizer(learning_rate)
             steps[i] = optimizer.apply_gradients(
@@ -246,12 +249,12 @@ def measure_model(spec: ModelSpec, methods: Sequence[Method] = DEFAULT_METHODS,
             # 10% on these networks): report the median of a few runs' peaks.
             peaks = sorted(measure.peak_bytes_of(run_step)[0] for _ in range(PEAK_RUNS))
             results[i].peak_bytes = peaks[len(peaks) // 2]
-            logging.info("%s / %s: %d ops, peak %s MiB, median step %s ms, "
-                         "max rel grad err %s (gradients built in %.1f s)",
-                         spec.name, methods[i].label, results[i].graph_ops,
-                         tables.number(results[i].peak_bytes / measure.MIB),
-                         tables.number(results[i].median_seconds * 1e3),
-                         _format_error(results[i].max_rel_error), results[i].build_seconds)
+            _LOG.info("%s / %s: %d ops, peak %s MiB, median step %s ms, "
+                      "max rel grad err %s (gradients built in %.1f s)",
+                      spec.name, methods[i].label, results[i].graph_ops,
+                      tables.number(results[i].peak_bytes / measure.MIB),
+                      tables.number(results[i].median_seconds * 1e3),
+                      _format_error(results[i].max_rel_error), results[i].build_seconds)
     return results
 
 
@@ -446,7 +449,7 @@ def calibrate(spec: ModelSpec, asked: budgets.Budget, runs: int = 2,
             session.run(init)
             return measure.step_peak_bytes(lambda: session.run(step), runs)
     calibrated = core_calibration.calibrate(asked, measure_step)
-    logging.info("%s: %s", spec.name, calibrated.calibration)
+    _LOG.info("%s: %s", spec.name, calibrated.calibration)
     return calibrated
 
 
@@ -458,7 +461,7 @@ def calibrated_methods(spec: ModelSpec, fractions: Sequence[float]) -> list[Meth
         try:
             budget = calibrate(spec, budgets.Budget(fraction=fraction))
         except errors.InfeasibleBudgetError as e:
-            logging.warning("%s at %.0f%%: %s", spec.name, fraction * 100, e)
+            _LOG.warning("%s at %.0f%%: %s", spec.name, fraction * 100, e)
             continue
         methods.append(Method(f"budget {fraction:.0%} calibrated", budget))
     return methods
@@ -553,4 +556,4 @@ def plot_tradeoff(curves, path: str) -> None:
         ax.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
-    logging.info("wrote %s", path)
+    _LOG.info("wrote %s", path)

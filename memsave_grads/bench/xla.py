@@ -24,11 +24,11 @@ above what is in use before the step, the median of :data:`PEAK_RUNS` runs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Callable, Sequence
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads import api
 from memsave_grads import measure as measure_lib
@@ -37,6 +37,9 @@ from memsave_grads import _tables as tables
 from memsave_grads.bench.harness import PEAK_RUNS
 from memsave_grads.bench.models import XlaSpec
 from memsave_grads.patching import original_gradients
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -287,8 +290,8 @@ def measure_model(spec: XlaSpec, repeats: int = 3,
 
 def _failed(result: XlaResult, outcome: child.ChildRun, what: str) -> None:
     result.failed = outcome.last_error_line()
-    logging.error("%s / %s / jit_compile=%s: %s failed:\n%s", result.model, result.method,
-                  result.jit_compile, what, outcome.stderr[-3000:])
+    _LOG.error("%s / %s / jit_compile=%s: %s failed:\n%s", result.model, result.method,
+               result.jit_compile, what, outcome.stderr[-3000:])
 
 
 def measure(spec: XlaSpec, method: str, jit_compile: bool) -> XlaResult:
@@ -304,8 +307,8 @@ def measure(spec: XlaSpec, method: str, jit_compile: bool) -> XlaResult:
         return result
     result.peak_bytes = outcome.result["peak_bytes"]
     result.max_rel_error = outcome.result["max_rel_error"]
-    logging.info("%s / %s / jit_compile=%s: peak %s MiB, max rel grad err %s", spec.name,
-                 method, jit_compile, _mib(result.peak_bytes), result.max_rel_error)
+    _LOG.info("%s / %s / jit_compile=%s: peak %s MiB, max rel grad err %s", spec.name,
+              method, jit_compile, _mib(result.peak_bytes), result.max_rel_error)
     return result
 
 
@@ -317,11 +320,11 @@ def measure_times(spec: XlaSpec, methods: Sequence[str], jit_compile: bool,
                "jit_compile": jit_compile, "measure": "time", "repeats": repeats}
     outcome = child.run(__name__, request)
     if outcome.returncode != 0 or outcome.result is None:
-        logging.error("%s / jit_compile=%s: timing failed:\n%s", spec.name, jit_compile,
-                      outcome.stderr[-3000:])
+        _LOG.error("%s / jit_compile=%s: timing failed:\n%s", spec.name, jit_compile,
+                   outcome.stderr[-3000:])
         return {}
-    logging.info("%s / jit_compile=%s: median step ms %s", spec.name, jit_compile,
-                 {m: _ms(s) for m, s in outcome.result.items()})
+    _LOG.info("%s / jit_compile=%s: median step ms %s", spec.name, jit_compile,
+              {m: _ms(s) for m, s in outcome.result.items()})
     return outcome.result
 
 

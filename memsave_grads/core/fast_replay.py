@@ -1,9 +1,9 @@
 """The memory model's replay of single-level plans, fast enough to score hundreds of plans on
 graphs of thousands of ops (docs/design.md, note "planning cost").
 
-:func:`memory_model.replay` walks every node of the graph in Python for every plan: about
-9 us a node on 2 CPU cores, 36 ms a plan on a 4000-node chain, and the planners score tens to
-hundreds of plans. :class:`FastReplay` gives the *same* peak (``tests/test_fast_replay.py``
+:func:`memory_model.replay` walks every node of the graph in Python for every plan: 47 ms a
+plan on a 2000-node chain (2 CPU cores under load), and the planners score tens to hundreds of
+plans. :class:`FastReplay` gives the *same* peak (``tests/test_fast_replay.py``
 compares the two on random graphs and plans) by splitting the replay into its phases and
 doing each as cheaply as it can be done:
 
@@ -41,7 +41,8 @@ NOWHERE = -2
 
 class FastReplay:
     """Scores single-level plans on one graph (fast for kept sets closed for single
-    ownership, the only ones the planners score; any other through memory_model.replay).
+    ownership, the only ones the planners score, on graphs without function ops' internal or
+    exposed bytes; anything else through memory_model.replay).
 
     ``not_replayed``: kept nodes never copied (their segments are empty); ``workspace_bytes``
     as in :func:`memory_model.replay`.
@@ -91,6 +92,10 @@ class FastReplay:
         self.reads_output_or_sink = self.sink | np.asarray(
             [graph.gradient_reads_output(v) for v in range(n)], dtype=bool)
         self.replayed = [v not in self.not_replayed for v in range(n)]
+        # Function ops' internal and exposed bytes (design note "control flow and calls")
+        # depend on where each node is differentiated, which the phases below do not track:
+        # such graphs get the full replay.
+        self.phases_exact = not any(graph.internal_saved_bytes) and not any(graph.exposed_bytes)
         self._top_cache: dict = {}
         self._level_cache: dict = {}
         self._external_cache: dict = {}
@@ -152,7 +157,7 @@ class FastReplay:
         (default: ``ForwardGraph.cost_of``) over every node a segment recomputes that is not
         kept itself (``Schedule.recomputed_nodes``)."""
         kept = frozenset(kept)
-        owned = self.owners(kept)
+        owned = self.owners(kept) if self.phases_exact else None
         if owned is None:
             return self._replayed(kept, costs)
         owner, level = owned

@@ -43,6 +43,16 @@ class ForwardGraph:
       no_gradient: the node's outputs carry no gradient (booleans, integers: a comparison
         feeding a ``tf.cond``), so backprop passes nothing to them; empty means every node's
         outputs carry one.
+      internal_saved_bytes: bytes a function-bodied node (a cond, a loop, a function call)
+        keeps *inside* for its gradient, beyond its inputs and outputs: the branch, iteration
+        or body intermediates that TensorFlow's gradient of the op makes its forward pass
+        output (cond_v2's optionals, while_v2's accumulators). Held from the node's forward
+        step to its backward step wherever it is differentiated: where it ran (plain
+        tf.gradients, the top segment, never-replayed kept nodes) or in the copy that a level
+        recomputes (design note "control flow and calls"); empty means none.
+      exposed_bytes: bytes a stateful cond or call outputs in addition where a plan replays it
+        (its random draws, or the cheapest values computed from them alone), held from the
+        forward pass until the level that recomputes it; empty means none.
       gradients_held: the variables' gradients (``param_bytes``) stay alive until the backward
         pass ends, because an optimizer applies them together (Keras ``fit`` sums them in one
         op first); False: each is used up at its node's backward step, as v1 optimizers'
@@ -63,6 +73,8 @@ class ForwardGraph:
     unread_inputs: tuple[frozenset, ...] = ()
     forwards: tuple[bool, ...] = ()
     no_gradient: tuple[bool, ...] = ()
+    internal_saved_bytes: tuple[int, ...] = ()
+    exposed_bytes: tuple[int, ...] = ()
     gradients_held: bool = False
 
     def __post_init__(self):
@@ -70,7 +82,8 @@ class ForwardGraph:
         if not (len(self.size_bytes) == len(self.reads_source) == len(self.feeds_sink) == n):
             raise ValueError("ForwardGraph fields must all have one entry per node")
         for name in ("names", "expensive", "grad_reads_inputs", "grad_reads_output",
-                     "param_bytes", "views", "costs", "unread_inputs", "forwards", "no_gradient"):
+                     "param_bytes", "views", "costs", "unread_inputs", "forwards", "no_gradient",
+                     "internal_saved_bytes", "exposed_bytes"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise ValueError(f"ForwardGraph.{name} must be empty or have one entry per node")
         for node, preds in enumerate(self.inputs):
@@ -108,6 +121,14 @@ class ForwardGraph:
 
     def is_view(self, node: int) -> bool:
         return bool(self.views) and self.views[node]
+
+    def internal_saved(self, node: int) -> int:
+        """Bytes ``node`` keeps inside for its gradient (``internal_saved_bytes``)."""
+        return self.internal_saved_bytes[node] if self.internal_saved_bytes else 0
+
+    def exposed(self, node: int) -> int:
+        """Bytes ``node`` outputs in addition where a plan replays it (``exposed_bytes``)."""
+        return self.exposed_bytes[node] if self.exposed_bytes else 0
 
     def params_of(self, node: int) -> int:
         return self.param_bytes[node] if self.param_bytes else 0

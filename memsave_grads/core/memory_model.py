@@ -116,10 +116,12 @@ def plain_peak_bytes(graph: graph_lib.ForwardGraph,
     consumers = graph.consumers()
     release_at, retained = backward_readers(graph, consumers, range(n))
     ledger = Ledger()
-    forward_sweep(graph, range(n), consumers, retained, ledger, kept=())
+    inside: set[int] = set()
+    forward_sweep(graph, range(n), consumers, retained, ledger, kept=(), differentiated=range(n),
+             inside=inside)
     grads: set[int] = set()
     for v in reversed(range(n)):
-        backward_step(graph, v, grads, ledger, release_at, workspace_bytes)
+        backward_step(graph, v, grads, ledger, release_at, workspace_bytes, inside)
     return ledger.peak
 
 
@@ -163,19 +165,33 @@ class _Replayer:
         self.ledger = Ledger()
         self.grads: set[int] = set()
         self.cost = 0.0
+        #: Nodes whose internal saved bytes are allocated (ForwardGraph.internal_saved_bytes).
+        self.inside: set[int] = set()
+        #: Nodes whose exposed bytes are held until their level (ForwardGraph.exposed_bytes).
+        self.exposing: set[int] = set()
 
-    def run(self, sched: schedule_lib.Schedule) -> None:
+    def run(self, sched: schedule_lib.Schedule, outermost: bool = True) -> None:
         """Forward over the members keeping the kept nodes and what the top's backward reads,
         the top backward, then each level: free its kept outputs (every reader is in a lower
         level, done by now), replay its active segments forward and backward (or, with
-        sub-plans, as a schedule of their own), and step through never-replayed kept nodes."""
+        sub-plans, as a schedule of their own), and step through never-replayed kept nodes.
+
+        Function ops keep their internal saved bytes wherever they are differentiated: the
+        top's and the never-replayed kept nodes where they ran, the others in the level that
+        recomputes them; in the forward pass those others output their exposed bytes instead,
+        held until that level (design note "control flow and calls")."""
         graph, ledger, grads, workspace = self.graph, self.ledger, self.grads, self.workspace_bytes
         kept = sched.kept
         release_at, top_retained = backward_readers(graph, self.consumers, sched.top)
         retained = {v: v in kept or top_retained.get(v, False) for v in sched.members}
-        forward_sweep(graph, sched.members, self.consumers, retained, ledger, kept)
+        in_place = set(sched.top) | {k for k, owned in sched.owned.items() if not owned}
+        exposing = ({v for v in sched.members if v not in in_place and graph.exposed(v)}
+                    if outermost else set())
+        forward_sweep(graph, sched.members, self.consumers, retained, ledger, kept,
+                 differentiated=in_place, inside=self.inside, exposing=exposing)
+        self.exposing |= exposing
         for v in reversed(sched.top):
-            backward_step(graph, v, grads, ledger, release_at, workspace)
+            backward_step(graph, v, grads, ledger, release_at, workspace, self.inside)
         for level in sched.levels:
             group = level.nodes
             for k in group:
@@ -187,26 +203,34 @@ class _Replayer:
                 self.trace.append(recomputed)
             nested = sched.nested(graph, active)
             if nested is not None:
-                self.run(nested)
+                self.run(nested, outermost=False)
             else:
                 release, saved = backward_readers(graph, self.consumers, recomputed)
-                forward_sweep(graph, recomputed, self.consumers, saved, ledger, kept=())
+                forward_sweep(graph, recomputed, self.consumers, saved, ledger, kept=(),
+                         differentiated=recomputed, inside=self.inside)
                 for v in reversed(recomputed):
-                    backward_step(graph, v, grads, ledger, release, workspace)
+                    backward_step(graph, v, grads, ledger, release, workspace, self.inside)
+            for v in recomputed:  # the replays have read what their originals exposed
+                if v in self.exposing:
+                    self.exposing.discard(v)
+                    ledger.free(graph.exposed(v))
             for k in active:
-                if k in grads:  # a never-replayed kept node: its gradient goes to xs
-                    backward_step(graph, k, grads, ledger, {}, workspace)
+                if k in grads or k in self.inside:
+                    # A never-replayed kept node: its gradient goes to xs.
+                    backward_step(graph, k, grads, ledger, {}, workspace, self.inside)
 
 
 def retained_bytes(graph: graph_lib.ForwardGraph) -> list[int]:
     """Bytes of each node that the backward pass over a segment containing the node and its
-    readers keeps alive: its output when a gradient reads it (or it is a ``y``); views, none."""
+    readers keeps alive: its output when a gradient reads it (or it is a ``y``; views: none),
+    and what a function op keeps inside for its gradient (``internal_saved_bytes``)."""
     consumers = graph.consumers()
     out = []
     for v in range(graph.num_nodes):
         read = graph.gradient_reads_output(v) or graph.feeds_sink[v] or any(
             graph.gradient_reads_input(c, v) for c in consumers[v])
-        out.append(0 if graph.is_view(v) or not read else graph.size_bytes[v])
+        own = 0 if graph.is_view(v) or not read else graph.size_bytes[v]
+        out.append(own + graph.internal_saved(v))
     return out
 
 
@@ -235,13 +259,22 @@ def _buffer_bytes(graph, v, kept) -> int:
     return graph.size_bytes[v] if v in kept or not graph.is_view(v) else 0
 
 
-def forward_sweep(graph, order, consumers, retained, ledger, kept) -> None:
+def forward_sweep(graph, order, consumers, retained, ledger, kept, differentiated=(),
+             inside: set | None = None, exposing=()) -> None:
     """Run ``order`` forward, freeing each output after its last consumer in ``order`` unless
-    ``retained``."""
+    ``retained``. Nodes in ``differentiated`` (their gradient is taken from this run) allocate
+    their internal saved bytes, recorded in ``inside``; nodes in ``exposing`` their exposed
+    bytes (both freed by the caller's backward steps)."""
     order = list(order)
     member_set = set(order)
+    differentiated = set(differentiated)
     pending = {v: sum(1 for c in consumers[v] if c in member_set) for v in order}
     for v in order:
+        if v in differentiated and graph.internal_saved(v) and inside is not None:
+            ledger.alloc(graph.internal_saved(v))
+            inside.add(v)
+        if v in exposing:
+            ledger.alloc(graph.exposed(v))
         size = _buffer_bytes(graph, v, kept)
         done = []  # inputs whose last reader is v
         for p in sorted(set(graph.inputs[v])):
@@ -263,11 +296,13 @@ def forward_sweep(graph, order, consumers, retained, ledger, kept) -> None:
 
 
 def backward_step(graph, v, grads: set, ledger, release_at,
-                   workspace_bytes: Sequence[int] | None = None) -> None:
+                   workspace_bytes: Sequence[int] | None = None,
+                   inside: set | None = None) -> None:
     """Backprop through ``v``: allocate its inputs' gradients and its variables' gradients
     (a spike where each is applied at once, as is the kernels' scratch; held to the end of the
-    pass where the optimizer applies them together), free its own gradient and the outputs no
-    later step reads. Partials for kept nodes stay in ``grads`` until their level."""
+    pass where the optimizer applies them together), free its own gradient, what it kept
+    inside (``inside``) and the outputs no later step reads. Partials for kept nodes stay in
+    ``grads`` until their level."""
     if v in grads or graph.feeds_sink[v]:
         # An elementwise op's gradient kernel writes one input's gradient into its own buffer.
         reuse = v in grads and graph.forwards_buffer(v)
@@ -291,5 +326,8 @@ def backward_step(graph, v, grads: set, ledger, release_at,
         if v in grads:
             grads.discard(v)
             ledger.free(graph.size_bytes[v])
+    if inside is not None and v in inside:
+        inside.discard(v)
+        ledger.free(graph.internal_saved(v))
     for u in release_at.get(v, ()):
         ledger.free(_buffer_bytes(graph, u, ()))

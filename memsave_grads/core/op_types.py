@@ -74,6 +74,9 @@ CHECK_OP_TYPES = frozenset({"CheckNumerics", "CheckNumericsV2", "Assert"})
 #: its branches run only checks and stateless ops.
 STATEFUL_COND_OP_TYPE = "If"
 COND_OP_TYPES = frozenset({STATEFUL_COND_OP_TYPE, "StatelessIf"})
+#: TF2 switch cases (``tf.switch_case``, cond_v2's ``Case``): a branch index and a list of
+#: branch functions.
+CASE_OP_TYPES = frozenset({"Case", "StatelessCase"})
 
 #: Op types whose output depends only on the *shape* of their input, never on its values: what
 #: is computed from them (shape arithmetic, a dropout mask drawn for a dynamic batch size) is
@@ -233,3 +236,9 @@ WHILE_OP_TYPES = frozenset({"While", "StatelessWhile"})
 #: buffer): a variable's gradient is the sum of its reads' gradients, and a write must wait
 #: for the ops still holding a value read before it.
 VARIABLE_READ_OP_TYPES = frozenset({"ReadVariableOp"})
+
+#: Op types that read a variable's value through its handle and whose gradient goes to the
+#: handle: the value read (``ReadVariableOp``) or rows of it (``ResourceGather``, as
+#: ``IndexedSlices``). Where such a read is kept (never replayed), the gradient of its value is
+#: sent on to the handle (``_tf.graph.handle_gradient``).
+HANDLE_GRADIENT_READ_OP_TYPES = VARIABLE_READ_OP_TYPES | {"ResourceGather"}

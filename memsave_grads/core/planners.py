@@ -7,15 +7,18 @@ returns a :class:`~memsave_grads.core.plan.Plan`. Planners never touch TensorFlo
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Sequence
 
 import numpy as np
-from absl import logging
 
 from memsave_grads.core import budgets
 from memsave_grads.core import fast_replay
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import plan as plan_lib
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------
 # Frontier cuts: the "memory" planner for any DAG
@@ -45,6 +48,7 @@ def _greedy_cuts(graph, uses, ends_at, allowed, cap_bytes: int) -> list[int]:
     """
     n = graph.num_nodes
     size = graph.size_bytes
+    segment_bytes = _segment_bytes(graph)
     cuts = []
     prev = -1
     while True:
@@ -52,7 +56,7 @@ def _greedy_cuts(graph, uses, ends_at, allowed, cap_bytes: int) -> list[int]:
         best = best_late = None
         p = prev + 1
         while p < n:
-            run += size[p] if uses[p] >= 0 else 0
+            run += segment_bytes[p] if uses[p] >= 0 else 0
             if uses[p] > p:
                 new += size[p]
             for v in ends_at[p]:
@@ -75,6 +79,12 @@ def _greedy_cuts(graph, uses, ends_at, allowed, cap_bytes: int) -> list[int]:
         chosen = -(best_late or best)[1]
         cuts.append(chosen)
         prev = chosen
+
+
+def _segment_bytes(graph: graph_lib.ForwardGraph) -> list[int]:
+    """Bytes each node adds to a recomputed segment: its output, and what a function op keeps
+    inside for its gradient (``ForwardGraph.internal_saved_bytes``)."""
+    return [s + graph.internal_saved(v) for v, s in enumerate(graph.size_bytes)]
 
 
 class CutSearch:
@@ -116,7 +126,7 @@ class CutSearch:
                 open_bad += 1
             open_bad -= sum(1 for v in self.ends_at[p] if v != p and v not in candidate_set)
             self.allowed.append(open_bad == 0 and self.uses[p] > p and p < n - 1)
-        counted = [s if self.uses[v] >= 0 else 0 for v, s in enumerate(graph.size_bytes)]
+        counted = [s if self.uses[v] >= 0 else 0 for v, s in enumerate(_segment_bytes(graph))]
         self.total_bytes = sum(counted)
         self.largest_bytes = max(counted, default=0)
         self.cumulative, running = [], 0
@@ -233,7 +243,7 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     if best_peak >= plain_peak:
         # Returned all the same: explain() reports it, and gradients() keeps tf.gradients'
         # schedule for it (selection.decide_schedule, docs/design.md note "never worse").
-        logging.info("memsave_grads: no plan of %d nodes predicts a lower peak than "
-                     "tf.gradients (%d bytes)", n, plain_peak)
+        _LOG.info("memsave_grads: no plan of %d nodes predicts a lower peak than "
+                  "tf.gradients (%d bytes)", n, plain_peak)
     equal = [p for p in plans if p.predicted_peak_bytes <= EQUAL_PEAK_FACTOR * best_peak]
     return min(equal, key=lambda p: (p.recompute_cost, p.predicted_peak_bytes))

@@ -5,9 +5,9 @@ wrapped ``fit``/``train_on_batch`` call once per batch size."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads import measure
 from memsave_grads._tf import grappler_options
@@ -17,6 +17,9 @@ from memsave_grads.keras import checks
 from memsave_grads.keras import flavour as flavour_lib
 from memsave_grads.keras import step as step_lib
 from memsave_grads.keras import synthetic
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 
 def calibrate_model(model, asked: budgets.Budget, *, batch_size: int,
@@ -36,7 +39,7 @@ def calibrate_model(model, asked: budgets.Budget, *, batch_size: int,
     calibrated = core_calibration.calibrate(asked, measure_step,
                                             max_measurements=max_measurements, step=step,
                                             batch_size=examples)
-    logging.info("memsave_grads: calibrated %s", calibrated.calibration)
+    _LOG.info("memsave_grads: calibrated %s", calibrated.calibration)
     return calibrated
 
 

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
-
-from absl import logging
 
 from memsave_grads import recomputation
 from memsave_grads._tf import ordering
 from memsave_grads.keras import flavour as flavour_lib
 from memsave_grads.keras.flavour import Flavour
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 
 def recurrent_cells(model, flavour: Flavour) -> list:
@@ -65,7 +67,7 @@ def recompute_cells_here(model, flavour: Flavour, recompute_cells: bool) -> bool
         return recompute_cells
     if recurrent_cells(model, flavour) and model not in _WARNED_XLA_CELLS:
         _WARNED_XLA_CELLS.add(model)
-        logging.warning(
+        _LOG.warning(
             "memsave_grads.keras: %s's step is compiled by XLA (its jit_compile, which 'auto' "
             "turns on for GPUs, or XLA auto-clustering), where recomputing inside a recurrent "
             "layer's loop raised the peak when measured; its recurrent cells are left as Keras "
@@ -81,8 +83,8 @@ def recomputed_cells(model, flavour: Flavour):
     with flavour_lib.overridden([(cell, "call", _recomputed_call(cell.call))
                                  for cell in cells]):
         if cells:
-            logging.vlog(1, "memsave_grads.keras: recomputing inside the loops of %d recurrent "
-                         "cell(s) of %s", len(cells), getattr(model, "name", model))
+            _LOG.debug("memsave_grads.keras: recomputing inside the loops of %d recurrent "
+                       "cell(s) of %s", len(cells), getattr(model, "name", model))
         yield cells
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import weakref
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads import _validate
 from memsave_grads import api
@@ -22,6 +22,9 @@ from memsave_grads.keras import checks
 from memsave_grads.keras import flavour as flavour_lib
 from memsave_grads.keras import updates
 from memsave_grads.keras.flavour import Flavour
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +116,10 @@ def run_step(model, flavour: Flavour, data, options: StepOptions):
         options = dataclasses.replace(
             options, checkpoints=_validate.check_checkpoints(options.checkpoints))
     planned = planned_batch_size(model, data, options.checkpoints, options.batch_size)
-    with tf_graph.assumed_batch_size(planned):
+    # recompute_cells=False promises the recurrent loops as Keras builds them: no loop body is
+    # recomputed inside by the plan either (design note "control flow and calls").
+    with tf_graph.assumed_batch_size(planned), api.loops_recomputed_inside(
+            options.recompute_cells):
         return _traced_step(model, flavour, data, options)
 
 
@@ -131,7 +137,8 @@ def run_wrapped_step(model, flavour: Flavour, data, options: StepOptions):
     checkpoints = _validate.check_checkpoints(options.checkpoints)
     planned = planned_batch_size(model, data, checkpoints, options.batch_size)
     with tf_graph.assumed_batch_size(planned), cells.maybe_recomputed_cells(
-            model, flavour, options.recompute_cells), api.counting_gradients_calls() as counted:
+            model, flavour, options.recompute_cells), api.loops_recomputed_inside(
+                options.recompute_cells), api.counting_gradients_calls() as counted:
         result = tape.run_with_routed_tapes(own_step, checkpoints, options.fallback,
                                             caller=f"memsave_grads.keras ({flavour.name})")
     # Run eagerly, routed tapes are TensorFlow's (each kind noticed there): no count to read.
@@ -161,8 +168,8 @@ def _no_gradient_computed(model, fallback: str) -> None:
         raise errors.InvalidArgumentError(message + ".")
     if cls not in _WARNED_NO_GRADIENTS:
         _WARNED_NO_GRADIENTS.add(cls)
-        logging.warning("memsave_grads.keras: %s, or unwrap the model; it trains as written.",
-                        message)
+        _LOG.warning("memsave_grads.keras: %s, or unwrap the model; it trains as written.",
+                     message)
 
 
 def _traced_step(model, flavour: Flavour, data, options: StepOptions):
@@ -187,7 +194,7 @@ def _traced_step(model, flavour: Flavour, data, options: StepOptions):
         grads = flavour.unscale_gradients(optimizer, compute_gradients())
         optimizer.apply_gradients(zip(grads, variables))
     else:
-        logging.warning("memsave_grads.keras: the model has no trainable weights.")
+        _LOG.warning("memsave_grads.keras: the model has no trainable weights.")
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
@@ -228,7 +235,7 @@ def planned_batch_size(model, data, checkpoints, batch_size: int | None) -> int 
         return calibration.batch_size
     if budget is not None and model not in _WARNED_PER_EXAMPLE:
         _WARNED_PER_EXAMPLE.add(model)
-        logging.warning(
+        _LOG.warning(
             "memsave_grads.keras: %s: the step is traced with an unknown batch size and none "
             "is known, so %s is planned for one example, where the weights weigh as much as a "
             "whole batch's activations. Pass wrap_model(model, ..., batch_size=N) (or "

@@ -5,11 +5,11 @@ size before the step is traced for it."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from typing import TypeVar
 
 import tensorflow as tf
-from absl import logging
 
 from memsave_grads import _validate
 from memsave_grads import api
@@ -24,6 +24,9 @@ from memsave_grads.keras import flavour as flavour_lib
 from memsave_grads.keras import step as step_lib
 from memsave_grads.keras import updates
 from memsave_grads.keras.flavour import Flavour
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 #: A Keras 2 or Keras 3 model: wrap_model and unwrap_model return the model they are given.
 _Model = TypeVar("_Model")
@@ -73,8 +76,8 @@ class WrappedTrainStep:
         if self.calibrated_with and all(a is b for a, b in zip(measured_with, compiled)):
             return
         if self.calibrated:
-            logging.info("memsave_grads.keras: %s was compiled again: its budget is "
-                         "calibrated again", getattr(self._model(), "name", "model"))
+            _LOG.info("memsave_grads.keras: %s was compiled again: its budget is "
+                      "calibrated again", getattr(self._model(), "name", "model"))
         self.calibrated.clear()
         self.calibrated_with = tuple(None if o is None else weakref.ref(o) for o in compiled)
 
@@ -92,7 +95,7 @@ class WrappedTrainStep:
         uncalibrated = dataclasses.replace(self.asked.budget, calibrate=False)
         if self not in _WARNED_UNCALIBRATED:
             _WARNED_UNCALIBRATED.add(self)
-            logging.warning(
+            _LOG.warning(
                 "memsave_grads.keras: %s: the training step was traced before any batch "
                 "was seen, so %s is planned on the predicted peak, not calibrated. fit "
                 "and train_on_batch calibrate it on their batch first.",
@@ -216,10 +219,10 @@ def _retrace_if_replanned(model, step: WrappedTrainStep) -> None:
     replanned = (step.calibration_key != step.traced_key if step.needs_calibration()
                  else step.planned_checkpoints() != step.traced_checkpoints)
     if replanned or (batch_size is not None and batch_size != step.traced_batch_size):
-        logging.info("memsave_grads.keras: %s: planning the step again (batches of %s, %s; "
-                     "it was planned for %s, %s)", model.name, batch_size,
-                     _describe_checkpoints(step.planned_checkpoints()), step.traced_batch_size,
-                     _describe_checkpoints(step.traced_checkpoints))
+        _LOG.info("memsave_grads.keras: %s: planning the step again (batches of %s, %s; "
+                  "it was planned for %s, %s)", model.name, batch_size,
+                  _describe_checkpoints(step.planned_checkpoints()), step.traced_batch_size,
+                  _describe_checkpoints(step.traced_checkpoints))
         model.train_function = None
 
 
@@ -261,13 +264,13 @@ def _calibrate_for_batch(model, step: WrappedTrainStep, batch, static: bool,
     if key in step.calibrated:
         return
     if getattr(model, "jit_compile", False) is True:
-        logging.warning("memsave_grads.keras: %s: the step is compiled by XLA, and %s is "
-                        "calibrated on the step without XLA, whose peak XLA's scheduling may "
-                        "move either way; measure the result (fit-limit) before relying on it.",
-                        model.name, asked.describe())
-    logging.info("memsave_grads.keras: %s: calibrating %s on a batch of %d (%s)", model.name,
-                 asked.describe(), examples, "its size in the trace" if static else
-                 "an unknown batch dimension in the trace, as fit traces it")
+        _LOG.warning("memsave_grads.keras: %s: the step is compiled by XLA, and %s is "
+                     "calibrated on the step without XLA, whose peak XLA's scheduling may "
+                     "move either way; measure the result (fit-limit) before relying on it.",
+                     model.name, asked.describe())
+    _LOG.info("memsave_grads.keras: %s: calibrating %s on a batch of %d (%s)", model.name,
+              asked.describe(), examples, "its size in the trace" if static else
+              "an unknown batch dimension in the trace, as fit traces it")
     fallback = step.options.fallback
     try:
         calibrated = calibration.calibrate_model(model, asked, batch_size=examples, data=batch,
@@ -276,10 +279,10 @@ def _calibrate_for_batch(model, step: WrappedTrainStep, batch, static: bool,
         if fallback == "error":
             raise
         calibrated = calibration.smallest_measured_budget(asked, infeasible)
-        logging.warning("memsave_grads.keras: %s: %s Training goes on with %s.", model.name,
-                        infeasible, "the plan of the smallest measured peak"
-                        if calibrated is not None else "plain tf.gradients, which measured "
-                        "no more than any plan")
+        _LOG.warning("memsave_grads.keras: %s: %s Training goes on with %s.", model.name,
+                     infeasible, "the plan of the smallest measured peak"
+                     if calibrated is not None else "plain tf.gradients, which measured "
+                     "no more than any plan")
         if calibrated is None and not getattr(infeasible, "calibration", None):
             calibrated = dataclasses.replace(asked, calibrate=False)
     except (*errors.FALLBACK_ERRORS, tf.errors.OpError) as failure:
@@ -298,9 +301,9 @@ def _calibration_failed(model, step: WrappedTrainStep, asked: budgets.Budget,
             f"calibrated: {why}. Calibrate with memsave_grads.calibrate_budget(model, budget, "
             "data=(x, y)) and wrap with its result, or wrap with fallback='warn' to plan on "
             "the prediction.")
-    logging.warning("memsave_grads.keras: %s: %s cannot be calibrated (%s); it is planned on "
-                    "the predicted peak.", getattr(model, "name", "model"), asked.describe(),
-                    why)
+    _LOG.warning("memsave_grads.keras: %s: %s cannot be calibrated (%s); it is planned on "
+                 "the predicted peak.", getattr(model, "name", "model"), asked.describe(),
+                 why)
 
 
 def is_wrapped(model: object) -> bool:
@@ -381,14 +384,14 @@ def wrap_model(model: _Model, checkpoints: api.Checkpoints = "memory",
     if step.needs_calibration():
         checks.check_calibration_possible(model)
     if is_wrapped(model):
-        logging.info("memsave_grads.keras: re-wrapping %s with checkpoints=%r", model.name,
-                     checkpoints)
+        _LOG.info("memsave_grads.keras: re-wrapping %s with checkpoints=%r", model.name,
+                  checkpoints)
     model.train_step = step
     model.fit = _WrappedFit(model)
     model.train_on_batch = _WrappedTrainOnBatch(model)
     model.train_function = None
-    logging.info("memsave_grads.keras: wrapped %s (%s), checkpoints=%r", model.name,
-                 flavour.name, checkpoints)
+    _LOG.info("memsave_grads.keras: wrapped %s (%s), checkpoints=%r", model.name,
+              flavour.name, checkpoints)
     return model
 
 

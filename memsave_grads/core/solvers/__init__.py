@@ -33,10 +33,9 @@ so for them the smallest feasible budget is the ``"memory"`` plan's peak; ``"rev
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Iterable
-
-from absl import logging
 
 from memsave_grads import errors
 from memsave_grads.core import budgets
@@ -49,6 +48,9 @@ from memsave_grads.core.solvers.dp import solve_dp
 from memsave_grads.core.solvers.greedy import cheapest_within, solve_greedy
 from memsave_grads.core.solvers.milp import milp_lower_bound, solve_milp
 from memsave_grads.core.solvers.revolve import solve_revolve
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 __all__ = ["SOLVERS", "solve", "memory_plan", "tradeoff", "solve_greedy", "solve_dp", "solve_milp",
            "solve_revolve", "milp_lower_bound"]
@@ -81,15 +83,15 @@ def solve(problem: problem_lib.BudgetProblem,
             if nested.min_feasible_bytes <= single_level.min_feasible_bytes:
                 raise nested from single_level
             raise single_level from None
-        logging.info("memsave_grads: the budget of %d bytes is below every single-level plan "
-                     "(%s: smallest %d); planned %d recomputation levels with 'revolve' "
-                     "(peak %d, cost %.3g)", problem.budget_bytes, solver,
-                     single_level.min_feasible_bytes,
-                     plan.levels,
-                     plan.predicted_peak_bytes, plan.recompute_cost)
-    logging.vlog(1, "memsave_grads: %s: budget %d bytes -> peak %d, cost %.3g, %.2f s",
-                 solver, problem.budget_bytes, plan.predicted_peak_bytes, plan.recompute_cost,
-                 plan.solve_seconds)
+        _LOG.info("memsave_grads: the budget of %d bytes is below every single-level plan "
+                  "(%s: smallest %d); planned %d recomputation levels with 'revolve' "
+                  "(peak %d, cost %.3g)", problem.budget_bytes, solver,
+                  single_level.min_feasible_bytes,
+                  plan.levels,
+                  plan.predicted_peak_bytes, plan.recompute_cost)
+    _LOG.debug("memsave_grads: %s: budget %d bytes -> peak %d, cost %.3g, %.2f s",
+               solver, problem.budget_bytes, plan.predicted_peak_bytes, plan.recompute_cost,
+               plan.solve_seconds)
     return plan
 
 
@@ -113,8 +115,8 @@ def memory_plan(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     if cost >= lowest_cost:
         return lowest.replace(recompute_cost=lowest_cost,
                               solve_seconds=time.perf_counter() - started)
-    logging.vlog(1, "memsave_grads: memory: the same peak (%d bytes) for %.3g of the cut "
-                 "plan's recomputation", peak, cost / lowest_cost)
+    _LOG.debug("memsave_grads: memory: the same peak (%d bytes) for %.3g of the cut "
+               "plan's recomputation", peak, cost / lowest_cost)
     return lowest.replace(
         kept=kept, predicted_peak_bytes=peak, recompute_cost=cost, cuts=(),
         solve_seconds=time.perf_counter() - started,

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import time
 from typing import Sequence
-
-from absl import logging
 
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import planners
 from memsave_grads.core.solvers import problem as problem_lib
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 #: The dynamic program considers at most this many cut positions; on larger graphs it thins
 #: them evenly and no longer claims optimality.
@@ -251,7 +253,7 @@ def solve_dp(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
                                 None if first else deadline,
                                 exact=count == every and count <= DP_MAX_POSITIONS)
         except DeadlinePassed:
-            logging.vlog(1, "memsave_grads: dp: out of time on %d positions", count)
+            _LOG.debug("memsave_grads: dp: out of time on %d positions", count)
             break
         first = False
         if proven or count >= min(every, DP_MAX_POSITIONS) or time.perf_counter() > deadline:

@@ -5,16 +5,18 @@ See the package docstring for the phases."""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Callable
-
-from absl import logging
 
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import planners
 from memsave_grads.core import schedule as schedule_lib
 from memsave_grads.core.solvers import problem as problem_lib
 from memsave_grads.core.solvers import dp as dp_lib
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 #: Segment caps the greedy solver tries (a geometric grid, as for ``"memory"``).
 GREEDY_CAP_POINTS = 24
@@ -120,8 +122,8 @@ def solve_greedy(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
     try:
         _greedy_search(problem, scorer, dp_seeds=True)
     except problem_lib.OutOfPlans:
-        logging.vlog(1, "memsave_grads: greedy: %d plans scored, the best so far stands",
-                     len(scorer.cache))
+        _LOG.debug("memsave_grads: greedy: %d plans scored, the best so far stands",
+                   len(scorer.cache))
     return scorer.plan("greedy", started)
 
 
@@ -141,8 +143,8 @@ def cheapest_within(problem: problem_lib.BudgetProblem, kept: frozenset
     try:
         _greedy_search(problem, scorer, dp_seeds=False)
     except problem_lib.OutOfPlans:
-        logging.vlog(1, "memsave_grads: refining the plan: %d plans scored, best so far",
-                     len(scorer.cache))
+        _LOG.debug("memsave_grads: refining the plan: %d plans scored, best so far",
+                   len(scorer.cache))
     return scorer.best or start, start
 
 

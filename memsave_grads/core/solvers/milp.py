@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-
-from absl import logging
 
 from memsave_grads import errors
 from memsave_grads.core import graph as graph_lib
@@ -15,6 +14,9 @@ from memsave_grads.core.solvers import problem as problem_lib
 from memsave_grads.core.solvers.dp import solve_dp
 from memsave_grads.core.solvers.greedy import solve_greedy
 from memsave_grads.core import schedule as schedule_lib
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 #: The MILP is built for graphs of at most this many nodes (it grows quadratically); larger
 #: ones get the best of the greedy and anytime dp plans within the deadline.
@@ -427,10 +429,10 @@ def solve_milp(problem: problem_lib.BudgetProblem,
         lowest_cost = (model["fixed_cost"] * cost_scale + bound) / cost_scale
         kept = {v for v in problem.candidates if result.x[v] > 0.5}
         _, peak, _ = scorer(kept)
-        logging.vlog(1, "memsave_grads: milp round %d (%.2f s): status %d, bound %.4g, "
-                     "replay peak %d of %d, best %s", round_index,
-                     time.perf_counter() - started, result.status, lowest_cost, peak,
-                     problem.budget_bytes, scorer.best and scorer.best[2])
+        _LOG.debug("memsave_grads: milp round %d (%.2f s): status %d, bound %.4g, "
+                   "replay peak %d of %d, best %s", round_index,
+                   time.perf_counter() - started, result.status, lowest_cost, peak,
+                   problem.budget_bytes, scorer.best and scorer.best[2])
         if scorer.best is not None and scorer.best[2] <= lowest_cost * (1 + 1e-6) + 1e-9:
             proven = True
             break
@@ -461,7 +463,7 @@ def _without_the_milp(problem: problem_lib.BudgetProblem, scorer: problem_lib.Sc
     """A graph too large for the MILP: the anytime DP in the time left, then the best plan
     scored (the greedy one, or the DP's), not flagged optimal."""
     left = time_limit_seconds - (time.perf_counter() - started)
-    logging.info("memsave_grads: milp: %d forward ops, more than the %d the MILP is built for; "
+    _LOG.info("memsave_grads: milp: %d forward ops, more than the %d the MILP is built for; "
                  "the best of the greedy and dp plans found in %.1f s", problem.graph.num_nodes,
                  MILP_MAX_NODES, time_limit_seconds)
     if left > 0:

@@ -37,6 +37,10 @@ class BudgetProblem:
       must_keep: nodes kept whatever the plan (stateful ops, intermediate ``xs``).
       candidates: nodes a plan may keep (``must_keep`` included implicitly).
       not_replayed: kept nodes whose segment is never copied (stateful ops).
+      plain_peak_bytes: plain tf.gradients' predicted peak, where it is not the graph's own:
+        a graph whose loops are modelled with their bodies recomputed inside (the rewrite does
+        that, tf.gradients would not: design note "control flow and calls"). Fractional
+        budgets are of it, and errors state it; None: the graph's plain peak.
       deadline_seconds: how long the anytime solvers (``"dp"``, ``"milp"``) may search before
         they answer with the best plan found; None: each solver's default.
     """
@@ -46,6 +50,7 @@ class BudgetProblem:
     must_keep: frozenset = frozenset()
     candidates: frozenset | None = None
     not_replayed: frozenset = frozenset()
+    plain_peak_bytes: int | None = None
     deadline_seconds: float | None = None
 
     def __post_init__(self):
@@ -71,7 +76,8 @@ def score(problem: BudgetProblem, kept: Iterable[int]) -> tuple[frozenset, int, 
 def infeasible(problem: BudgetProblem, smallest_peak_bytes: int,
                solver: str) -> errors.InfeasibleBudgetError:
     """The error for a budget no plan meets, stating the smallest predicted peak reached."""
-    plain_bytes = fast_replay.plain_peak_bytes(problem.graph)
+    plain_bytes = (problem.plain_peak_bytes if problem.plain_peak_bytes is not None
+                   else fast_replay.plain_peak_bytes(problem.graph))
     error = errors.InfeasibleBudgetError(
         f"checkpoints: the budget of {budgets.format_bytes(problem.budget_bytes)} "
         f"({problem.budget_bytes} bytes) is below the smallest peak the solver found: "

@@ -192,9 +192,10 @@ def smallest_peak_plan(problem: problem_lib.BudgetProblem) -> tuple[float, int, 
     ``"memory"`` planner's single-level plan, the tree of the smallest decomposed peak, then
     the DP's trees on a ladder of budgets below the lower of their peaks
     (:data:`SMALLEST_PEAK_LADDER`; at most :data:`SMALLEST_PEAK_ROUNDS` rounds, down to where
-    the DP finds no tree, or none lower for :data:`SMALLEST_PEAK_PATIENCE` rounds). An infeasible budget's error states this peak, so every budget below
-    it states the same number, and a budget of that number is met by this plan. Made once
-    per graph model and node sets (``graph.memo``)."""
+    the DP finds no tree, or none lower for :data:`SMALLEST_PEAK_PATIENCE` rounds). An
+    infeasible budget's error states this peak, so every budget below it states the same
+    number, and a budget of that number is met by this plan. Made once per graph model and
+    node sets (``graph.memo``)."""
     key = ("smallest peak", problem.must_keep, problem.candidates, problem.not_replayed)
     memo = graph_lib.memo(problem.graph)
     if key in memo:

@@ -1,0 +1,297 @@
+"""Loops recomputed inside: a while loop's body replayed in its backward iterations, as
+``recompute(step)`` does by hand (docs/design.md, note "control flow and calls").
+
+while_v2 stores, per iteration, every value of the body that the body's gradient reads (in
+TensorList accumulators that the forward loop fills): for a loop over layers, every layer's
+activations, however the plan cuts the graph outside the loop. Where the body keeps less per
+iteration when it is recomputed (:func:`chosen`: one iteration's inputs and the outputs of its
+stateful ops, against what its gradient reads), the forward loop's body is replaced, before
+any gradient of it is built, by the same ops wrapped in :func:`memsave_grads.recompute`
+(:func:`recompute_bodies`). The loop computes the same values; its gradient stores each
+iteration's inputs and replays the body in the backward iteration, keeping the outputs of its
+random draws and variable reads (never drawn or read again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import re
+from typing import Iterable, Sequence
+
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util_v2
+from tensorflow.python.ops import control_flow_v2_func_graphs
+
+from memsave_grads import recomputation
+from memsave_grads._tf import exposure
+from memsave_grads._tf import function_ops
+from memsave_grads._tf import graph as tf_graph
+from memsave_grads._tf import ordering
+from memsave_grads._tf import rewrite
+from memsave_grads.core import op_types
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
+
+#: A loop's body is recomputed only where the loop then stores at most this fraction of what
+#: its gradient stores otherwise: the replay costs one more forward pass of the body.
+RECOMPUTED_LOOP_FRACTION = 0.9
+#: At most this many copies of a body per iteration of the rewritten loop, and this many ops
+#: in them all (graph size).
+MAX_UNROLL = 64
+MAX_UNROLLED_OPS = 20_000
+_RECOMPUTED_ATTR = "_memsave_recomputed_body"
+_counter = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+    """How a loop's body is recomputed (:func:`plan`).
+
+    Attributes:
+      unroll: iterations of the original body per iteration of the rewritten one, replayed
+        together: 1 stores every iteration's inputs; k stores every k-th iteration's, and
+        replays k iterations at a time (checkpoints every k layers of a loop over layers).
+      saved_bytes: what the rewritten loop stores, in the memory model's terms: the inputs of
+        ``trip_count / unroll`` replays, every iteration's stateful outputs, and one replay's
+        saved values and its reads' gradient buffers (while its iterations are
+        differentiated).
+    """
+
+    unroll: int
+    saved_bytes: int
+
+
+def eligible(op: tf.Operation) -> bool:
+    """A while_v2 loop whose body can be recomputed inside: not compiled by XLA (a compiled
+    loop's backward body did not pay, design note "ordering under XLA"), not holding a custom
+    gradient already (``recompute(step)``, Keras 3 recurrent layers under ``wrap_model``), no
+    gradient of it built yet, not itself a gradient loop, and no stateful op of its body reads
+    a value computed in the iteration (it would have to run again)."""
+    if op.type not in op_types.WHILE_OP_TYPES or tf_graph.uses_v1_control_flow(op):
+        return False
+    if getattr(op, _RECOMPUTED_ATTR, None) is not None:
+        return True
+    # while_v2 renames the functions of a loop whose gradient it built "..._rewritten", and
+    # names a gradient loop's "<forward>_grad_<uid>": a gradient loop (a second derivative's
+    # region) is differentiated as it is.
+    body_name = op.get_attr("body").name
+    if (body_name.endswith("_rewritten") or re.search(r"_grad_\d+$", body_name)
+            or ordering.xla_in_effect(op.graph)):
+        return False
+    if tf_graph.loop_body_has_custom_gradient(op):
+        return False
+    graphs = function_ops.body_graphs(op)
+    if not graphs:
+        return False
+    return _state_reads_only_fixed_values(graphs[0])
+
+
+def _state_reads_only_fixed_values(body) -> bool:
+    """No stateful op of ``body`` reads a differentiable value computed from its inputs
+    (``recompute`` would refuse it: such an op would have to run in the replay)."""
+    from_inputs = set(tf_graph.walk([c for t in body.inputs for c in t.consumers()],
+                                    tf_graph.consumer_ops))
+    inputs = {t.ref() for t in body.inputs}
+    for op in body.get_operations():
+        if op.type in op_types.FEED_OP_TYPES or tf_graph.is_replayable(op):
+            continue
+        if function_ops.is_function_op(op):
+            return False  # a stateful nested function: replayed only through exposure
+        for t in op.inputs:
+            if (tf_graph.carries_gradients(t) and t.dtype != tf.resource
+                    and (t.ref() in inputs or t.op in from_inputs)):
+                return False
+    return True
+
+
+def _unrollable(body, outputs) -> bool:
+    """Whether several iterations may run as one: its stateful ops are variable reads only
+    (copies of a seeded random op would all draw the first numbers of its sequence), and the
+    values a replay needs from outside it, for several iterations in a row, can be computed
+    outside it: the reads' inputs and the varying values that carry no gradient (counters)
+    are computed from such values and the loop's invariants alone."""
+    if any(not tf_graph.is_replayable(op) and op.type not in op_types.FEED_OP_TYPES
+           and not tf_graph.is_handle_gradient_read(op) for op in body.get_operations()):
+        return False
+    invariant = function_ops.loop_invariant_positions(body, outputs)
+    differentiable = [t for i, t in enumerate(body.inputs)
+                      if i not in invariant and tf_graph.carries_gradients(t)
+                      and t.dtype != tf.resource]
+    tainted = set(tf_graph.walk([c for t in differentiable for c in t.consumers()],
+                                tf_graph.consumer_ops))
+    seeds = [op for op in body.get_operations() if tf_graph.is_handle_gradient_read(op)]
+    seeds += [t.op for i, t in enumerate(outputs) if i not in invariant
+              and not (tf_graph.carries_gradients(t) and t.dtype != tf.resource)]
+    return not any(op in tainted for op in seeds)
+
+
+def plan(op: tf.Operation) -> LoopPlan | None:
+    """How to recompute ``op``'s body, or None where that does not store at most
+    :data:`RECOMPUTED_LOOP_FRACTION` of what its gradient stores otherwise
+    (``function_ops.gradient_facts``). The unroll is the divisor k of the trip count that
+    stores least, ``trip_count / k`` replays' inputs plus one replay of k iterations (about
+    sqrt(trip count) on a loop over equal layers); 1 where the trip count is not fixed."""
+    facts = function_ops.gradient_facts(op)
+    loop = facts.loop if facts is not None else None
+    if loop is None or not facts.saved_bytes:
+        return None
+
+    def stored(k):
+        # The replays' inputs and every iteration's state are stored; one replay of k
+        # iterations, and its reads' dense gradient buffers (each variable read once per
+        # replay: _merged_reads), are alive while it runs.
+        replays = -(-loop.iterations // k)
+        return (replays * loop.input_bytes + loop.iterations * loop.state_bytes
+                + k * loop.saved_bytes + loop.read_gradient_bytes)
+
+    candidates = [1]
+    if loop.counted_condition and loop.trip_count and loop.trip_count > 1:
+        (body,) = function_ops.body_graphs(op)
+        body_ops = len(body.get_operations())
+        if _unrollable(body, function_ops.body_outputs(op, body)):
+            candidates += [k for k in range(2, min(loop.trip_count, MAX_UNROLL) + 1)
+                           if loop.trip_count % k == 0 and k * body_ops <= MAX_UNROLLED_OPS]
+    best = min(candidates, key=lambda k: (stored(k), k))
+    if stored(best) > RECOMPUTED_LOOP_FRACTION * facts.saved_bytes:
+        return None
+    return LoopPlan(unroll=best, saved_bytes=stored(best))
+
+
+def chosen(region: Iterable[tf.Operation]) -> dict:
+    """The loops of ``region`` whose bodies a memory-saving strategy recomputes, with their
+    :class:`LoopPlan`."""
+    plans = {}
+    for op in region:
+        if op.type in op_types.WHILE_OP_TYPES and eligible(op):
+            found = getattr(op, _RECOMPUTED_ATTR, None) or plan(op)
+            if found is not None:
+                plans[op] = found
+    return plans
+
+
+def recompute_bodies(plans: dict) -> None:
+    """Replace each loop's body as planned (module docstring); each loop once."""
+    for op in sorted(plans, key=tf_graph.creation_index):
+        if getattr(op, _RECOMPUTED_ATTR, None) is None:
+            _recompute_body(op, plans[op])
+
+
+def _merged_reads(reads: Sequence[tf.Operation], inputs: list) -> list:
+    """The values of ``reads`` for each of ``len(inputs)`` iterations run as one
+    (``inputs[j][n]``: read ``n``'s inputs in iteration ``j``), each variable read once for
+    them all: a ``ReadVariableOp`` once (nothing writes in the loop), a gather once for all
+    the iterations' indices. One read is one gradient for the variable per backward
+    iteration, which while_v2 adds up in a buffer the variable's size: one buffer, not one
+    per iteration. Values per iteration, read by read."""
+    by_iteration = [[None] * len(reads) for _ in inputs]
+    for n, read in enumerate(reads):
+        handle = inputs[0][n][0]
+        if read.type in op_types.VARIABLE_READ_OP_TYPES or len(inputs) == 1:
+            if read.type in op_types.VARIABLE_READ_OP_TYPES:
+                value = tf.raw_ops.ReadVariableOp(resource=handle, dtype=read.get_attr("dtype"))
+                values = [value] * len(inputs)
+            else:
+                values = [tf.raw_ops.ResourceGather(
+                    resource=handle, indices=inputs[0][n][1], dtype=read.get_attr("dtype"),
+                    batch_dims=0, validate_indices=read.get_attr("validate_indices"))]
+        else:
+            indices = [inputs[j][n][1] for j in range(len(inputs))]
+            flat = tf.concat([tf.reshape(i, [-1]) for i in indices], 0)
+            gathered = tf.raw_ops.ResourceGather(
+                resource=handle, indices=flat, dtype=read.get_attr("dtype"), batch_dims=0,
+                validate_indices=read.get_attr("validate_indices"))
+            parts = tf.split(gathered, tf.stack([tf.size(i) for i in indices]))
+            rows = tf.shape(gathered)[1:]
+            values = [tf.reshape(part, tf.concat([tf.shape(i), rows], 0))
+                      for part, i in zip(parts, indices)]
+        for j, value in enumerate(values):
+            value.set_shape(read.outputs[0].shape)
+            by_iteration[j][n] = value
+    return [value for iteration in by_iteration for value in iteration]
+
+
+def _recompute_body(op: tf.Operation, loop_plan: LoopPlan) -> None:
+    (body,) = function_ops.body_graphs(op)
+    outputs = function_ops.body_outputs(op, body)
+    invariant = function_ops.loop_invariant_positions(body, outputs)
+    varying = [i for i in range(len(outputs)) if i not in invariant]
+    input_refs = {t.ref(): i for i, t in enumerate(body.inputs)}
+    ops = [o for o in body.get_operations()
+           if o.type not in op_types.FEED_OP_TYPES or o.outputs[0].ref() not in input_refs]
+    unroll = loop_plan.unroll
+    # Variable reads run outside the recomputed step and pass their values in: the step's
+    # gradient returns their values' gradients, which the reads send to the handles (a
+    # handle passed through tf.custom_gradient would be a resource the loop body creates,
+    # which while_v2 cannot differentiate). With several iterations per step, the values
+    # without a gradient that they depend on (counters) are carried outside as well.
+    reads = [o for o in ops if tf_graph.is_handle_gradient_read(o)
+             and o.inputs[0].ref() in input_refs]
+    carried = [i for i in varying if i != function_ops.WHILE_COUNTER_POSITION
+               and not (tf_graph.carries_gradients(outputs[i])
+                        and outputs[i].dtype != tf.resource)]
+    seeds = reads + ([outputs[i].op for i in carried] if unroll > 1 else [])
+    outside_ops = set(tf_graph.walk(seeds, tf_graph.input_ops,
+                                    include=lambda o: o.outputs and o.outputs[0].ref()
+                                    not in input_refs))
+    handles = [i for i, t in enumerate(body.inputs) if t.dtype == tf.resource]
+    passed = [i for i in range(len(body.inputs)) if i not in handles]
+    copied = []
+
+    def build(placeholders):
+        graph = tf.compat.v1.get_default_graph()
+        read_inputs, values = [], list(placeholders)
+        for _ in range(unroll):
+            given = {t.ref(): v for t, v in zip(body.inputs, values) if v is not None}
+            outside = rewrite.copy_ops([o for o in ops if o in outside_ops and o not in reads],
+                                       "", [], given, graph=graph)
+            copied.append(outside)
+            read_inputs.append([[outside[t.op].outputs[t.value_index] if t.op in outside
+                                 else given[t.ref()] for t in r.inputs] for r in reads])
+            values = [values[i] if i in invariant or i == function_ops.WHILE_COUNTER_POSITION
+                      else outside[outputs[i].op].outputs[outputs[i].value_index]
+                      if i in carried and outputs[i].op in outside else None
+                      for i in range(len(outputs))]
+        read_values = _merged_reads(reads, read_inputs)
+
+        def step(*args):
+            current = dict(zip(passed, args))
+            current.update((i, placeholders[i]) for i in handles)
+            given_reads = iter(args[len(passed):])
+            counter = None
+            for _ in range(unroll):
+                replacements = {t.ref(): current[i] for i, t in enumerate(body.inputs)}
+                replacements.update((r.outputs[0].ref(), next(given_reads)) for r in reads)
+                inside = rewrite.copy_ops([o for o in ops if o not in reads], "", [],
+                                          replacements, graph=graph)
+                copied.append(inside)
+                current = {i: current[i] if i in invariant else (
+                    inside[t.op].outputs[t.value_index] if t.op in inside
+                    else replacements.get(t.ref(), t)) for i, t in enumerate(outputs)}
+                if counter is None:
+                    counter = current[function_ops.WHILE_COUNTER_POSITION]
+                # while_v2's counter counts the rewritten body's runs: its gradient loop
+                # runs as many times (unused by the body itself).
+                current[function_ops.WHILE_COUNTER_POSITION] = placeholders[
+                    function_ops.WHILE_COUNTER_POSITION]
+            current[function_ops.WHILE_COUNTER_POSITION] = counter
+            return [current[i] for i in varying]
+
+        step.__name__ = f"{body.name}_step"
+        args = [placeholders[i] for i in passed] + read_values
+        results = iter(tf.nest.flatten(recomputation.recompute(step)(*args)))
+        new_outputs = [placeholders[i] if i in invariant else next(results)
+                       for i in range(len(outputs))]
+        control = [c[o] for c in copied for o in body.control_outputs if o in c]
+        return new_outputs, control
+
+    new_body = exposure.rebuilt_function_graph(
+        body, f"{body.name}_memsave_recomputed{next(_counter)}", op.graph, build,
+        graph_class=control_flow_v2_func_graphs.WhileBodyFuncGraph)
+    op._set_func_attr("body", control_flow_util_v2.create_new_tf_function(new_body))  # pylint: disable=protected-access
+    op._body_graph = new_body  # pylint: disable=protected-access
+    setattr(op, _RECOMPUTED_ATTR, loop_plan)
+    _LOG.debug("memsave_grads: the body of loop %s is recomputed in its backward "
+               "iterations, %d iteration(s) at a time", op.name, unroll)
