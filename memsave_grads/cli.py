@@ -403,6 +403,13 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
         _add_output(parser)
 
 
+def _add_verbose(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument("-v", "--verbose", action="count", default=default,
+                        help="also memsave_grads' debug messages: per gradients call, the "
+                             "forward ops, checkpoints and recomputed ops per level (of this "
+                             "process: fit-limit's tries run in processes of their own)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``memsave-grads``: one subparser per command (cheap: imports nothing)."""
     parser = _Parser(
@@ -412,14 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
                f"{measure.CPU_BFC_ENV}=true before TensorFlow is imported: the command sets it, "
                f"and {TF_LOG_LEVEL_ENV}={QUIET_TF_LOG_LEVEL} unless you set a level.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    _add_verbose(parser, default=0)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands",
                                        parser_class=_Parser)
     for name, summary, description in _COMMANDS:
         command = subparsers.add_parser(name, help=summary, description=description)
         _add_options(name, command)
-        command.add_argument("-v", "--verbose", action="count", default=0,
-                             help="also memsave_grads' debug messages: per gradients call, the "
-                                  "forward ops, checkpoints and recomputed ops per level")
+        _add_verbose(command, default=argparse.SUPPRESS)  # "demo -v" as "-v demo"
     parser.command_parsers = subparsers.choices  # so an unknown option is reported by its command
     return parser
 
@@ -552,7 +558,11 @@ def _logging_to_stderr(verbose: int):
         tf_level = int(os.environ.get(TF_LOG_LEVEL_ENV, "0"))
     except ValueError:
         tf_level = 0
-    ours, theirs = logging.getLogger("memsave_grads"), logging.getLogger("tensorflow")
+    ours = logging.getLogger("memsave_grads")
+    # TensorFlow gives its logger a handler of its own on first use (tf.get_logger()); asked
+    # now, that happens before the state is saved, not during the command.
+    theirs = sys.modules["tensorflow"].get_logger() if "tensorflow" in sys.modules else (
+        logging.getLogger("tensorflow"))
     saved = [(logger, logger.handlers[:], logger.level, logger.propagate)
              for logger in (ours, theirs)]
     ours.handlers[:] = [handler]

@@ -45,6 +45,7 @@ import argparse
 import concurrent.futures
 import importlib.util
 import json
+import logging as std_logging
 import os
 import subprocess
 import sys
@@ -167,7 +168,9 @@ def run_one(test_path: str, mode: str, strategy: str, only: list[str] | None,
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from absl import flags, logging  # pylint: disable=import-outside-toplevel
     flags.FLAGS(sys.argv[:1], known_only=True)  # TensorFlow's test utilities read flags
-    logging.set_verbosity(logging.ERROR)  # the fallback warnings are counted, not shown
+    logging.set_verbosity(logging.ERROR)
+    # The fallback warnings are counted, not shown.
+    std_logging.getLogger("memsave_grads").setLevel(std_logging.ERROR)
     _set_up_mode(mode)
     spec = importlib.util.spec_from_file_location("tf_gradients_test_under_patch", test_path)
     module = importlib.util.module_from_spec(spec)

@@ -1,6 +1,7 @@
 """The command line (``python -m memsave_grads``), its measurement helpers, and the examples."""
 
 import json
+import logging
 import os
 import pathlib
 import subprocess
@@ -454,3 +455,38 @@ def test_start_up_noise_is_filtered_by_the_log_level(level, kept, monkeypatch, c
         os.write(2, ("\n".join(lines) + "\n").encode())
     err = capfd.readouterr().err
     assert err.splitlines() == [lines[i] for i in kept], err
+
+
+def _logger_states():
+    return [(logger.handlers[:], logger.level, logger.propagate)
+            for logger in (logging.getLogger("memsave_grads"), tf.get_logger())]
+
+
+@pytest.mark.parametrize("argv", [["explain", "-v"], ["-v", "explain"], ["explain"]])
+def test_a_command_logs_once_to_stderr_and_leaves_the_loggers_as_they_were(
+        argv, monkeypatch, capsys):
+    from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.platform import tf_logging  # pylint: disable=import-outside-toplevel
+
+    def command(args):
+        logging.getLogger("memsave_grads.api").debug("a debug line")
+        logging.getLogger("memsave_grads.api").info("a progress line")
+        tf_logging.warning("a deprecation")
+        return 0
+
+    monkeypatch.setitem(commands.COMMANDS, "explain", command)
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
+    # A handler on the root logger, as absl's handler is once absl logging is used: it printed
+    # TensorFlow's deprecation warnings a second time.
+    root_handler = logging.StreamHandler(sys.stderr)
+    logging.getLogger().addHandler(root_handler)
+    try:
+        before = _logger_states()
+        assert cli.main(argv) == 0
+        assert _logger_states() == before
+    finally:
+        logging.getLogger().removeHandler(root_handler)
+    err = capsys.readouterr().err
+    assert err.count("a deprecation") == 1, err
+    assert err.count("a progress line") == 1 and "memsave_grads.api] a progress line" in err, err
+    assert ("a debug line" in err) == ("-v" in argv), err

@@ -5,10 +5,11 @@ Peaks are the allocator's (CPU BFC statistics), measured on one inter-op thread 
 executor's order, and with it the peak, repeats from run to run.
 """
 
+import logging
+
 import numpy as np
 import pytest
 import tensorflow as tf
-import logging
 
 import children
 import memsave_grads as mg

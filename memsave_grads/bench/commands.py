@@ -2,7 +2,7 @@
 
 :mod:`memsave_grads.cli` parses and validates the arguments, sets the allocator environment and
 only then imports this module (and with it TensorFlow). Every function takes the parsed
-``argparse.Namespace``. Tables go to stdout, progress to absl logging (stderr); with
+``argparse.Namespace``. Tables go to stdout, progress to the ``memsave_grads`` logger (stderr); with
 ``--output FILE`` the tables are also written to a markdown file.
 """
 

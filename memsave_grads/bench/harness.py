@@ -17,7 +17,7 @@ The models feed nothing: their inputs live in variables (:mod:`memsave_grads.ben
 
 TensorFlow must be imported after ``TF_CPU_ALLOCATOR_USE_BFC=true`` is set for the peak memory
 to be right on CPU; the command line (:mod:`memsave_grads.cli`) takes care of that. Nothing
-here prints: progress goes to absl logging, tables are returned as strings.
+here prints: progress goes to the ``memsave_grads`` logger, tables are returned as strings.
 """
 
 from __future__ import annotations
