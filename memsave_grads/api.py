@@ -467,9 +467,10 @@ def _gradients_falling_back(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: d
         return _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs, plain)
 
 
-#: Solves at the reported smallest peak before settling for plain tf.gradients: a heuristic
-#: solver's plans depend on the budget, so the plan that reached the smallest peak under a lower
-#: budget may be missed at that peak, and the new error reports another smallest peak.
+#: Solves at the reported smallest peak before settling for plain tf.gradients. The minimum
+#: an error states does not depend on the budget and a plan meets it
+#: (``revolve.smallest_peak_plan``), so the first normally succeeds; the others guard a
+#: budget's rounding (a fraction of the plain peak) against an off-by-a-byte miss.
 SMALLEST_PEAK_ATTEMPTS = 3
 
 

@@ -94,6 +94,24 @@ def _fractions(text: str) -> list[float]:
     return values
 
 
+#: The graph families of ``build-time`` (memsave_grads.bench.build_time.FAMILIES).
+_BUILD_FAMILIES = ("residual", "transformer", "convnet")
+
+
+def _build_families(text: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [item for item in items if item not in _BUILD_FAMILIES]
+    if not items or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated families of {', '.join(_BUILD_FAMILIES)}, got "
+            f"{', '.join(map(repr, unknown)) or repr(text)}")
+    return items
+
+
+def _sizes(text: str) -> list[int]:
+    return [_positive_int(item.strip()) for item in text.split(",")]
+
+
 def _model_filter(catalogue: str) -> Callable[[str], list[str]]:
     """A type for ``--models``: comma-separated name substrings, each matching a model of
     ``memsave_grads.bench.models.<catalogue>()`` (names only: nothing is built)."""
@@ -220,7 +238,8 @@ _COMMANDS = (
      "DenseNet121, MobileNetV2, a U-Net and a Transformer encoder stack, a deep residual MLP, "
      "a tanh MLP chain and a small conv ResNet, with the predicted peak of the static memory "
      "model; then, under XLA, the Transformer, the MLPs and the conv ResNet in tf.function "
-     "with and without jit_compile, against tf.recompute_grad. Progress on stderr, the "
+     "with and without jit_compile, against tf.recompute_grad and keras.RematScope. Progress "
+     "on stderr, the "
      "tables on stdout. Needs: pip install 'memsave-grads[bench]'."),
     ("scaling", "peak memory vs depth, and the rewrite time of large graphs",
      "Peak memory vs depth of the residual MLP family (8..256 blocks), tf.gradients vs "
@@ -251,6 +270,11 @@ _COMMANDS = (
      "recompute cost at each budget, relative to the best plan found, and solve times. With "
      "--models, the greedy solver alone on those benchmark networks at --fractions: its "
      "recomputed share of the forward FLOPs, planning seconds and its bound on plans scored."),
+    ("build-time", "gradient construction time against graph size",
+     "The CPU time to build the gradients of residual MLPs, Transformer encoders and conv "
+     "ResNets of growing size (up to about 50 000 graph ops) with tf.gradients and with each "
+     "--checkpoints strategy (planning and rewrite), built in turns, best of --rounds; each "
+     "as a ratio to tf.gradients. --format json: the CPU seconds of every method."),
 )
 
 
@@ -270,8 +294,9 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
         _add_format(parser)
         parser.add_argument("--xla", choices=("with", "without", "only"), default="with",
                             help="the table under XLA (tf.function with and without "
-                                 "jit_compile, against tf.recompute_grad): with the graph "
-                                 "table, without it, or only it (default: %(default)s)")
+                                 "jit_compile, against tf.recompute_grad and "
+                                 "keras.RematScope): with the graph table, without it, or "
+                                 "only it (default: %(default)s)")
         parser.add_argument("--control-flow", choices=("with", "without", "only"),
                             default="without",
                             help="the control-flow table (the same blocks plain, in a tf.cond "
@@ -352,6 +377,23 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
                                  "growth (without it the CPU allocator grows in regions of "
                                  "doubling size, and a tensor cannot span two)")
         _add_plot(parser, "peak memory against size, per method")
+        _add_output(parser)
+        _add_format(parser)
+    elif name == "build-time":
+        parser.add_argument("--families", type=_build_families, default=list(_BUILD_FAMILIES),
+                            metavar="F[,F...]",
+                            help=f"graph families, of {', '.join(_BUILD_FAMILIES)} "
+                                 "(default: all)")
+        parser.add_argument("--sizes", type=_sizes, default=None, metavar="N[,N...]",
+                            help="sizes (blocks or layers) of every family (default: each "
+                                 "family's own, up to about 50 000 graph ops)")
+        parser.add_argument("--checkpoints", type=_checkpoints_list,
+                            default=["memory", "budget:50%"], metavar="S[,S...]",
+                            help="the strategies built besides tf.gradients "
+                                 "(default: memory,budget:50%%)")
+        parser.add_argument("--rounds", type=_positive_int, default=3, metavar="N",
+                            help="builds of each method, in turns; the best counts "
+                                 "(default: %(default)s)")
         _add_output(parser)
         _add_format(parser)
     elif name == "solvers":

@@ -157,17 +157,21 @@ def test_xla_measure_model_rows_and_table():
         assert r.failed is None, r.failed
         assert r.max_rel_error < 1e-5 and r.peak_bytes > 0 and r.median_seconds > 0
     table = bench_xla.table([results])
-    assert "peak MiB XLA" in table and table.count("| tiny residual MLP |") == 3
+    assert "peak MiB XLA" in table
+    assert table.count("| tiny residual MLP |") == len(bench_xla.METHODS)
+    assert "| keras.RematScope |" in table and "| tf.recompute_grad |" in table
 
 
 def test_xla_models_are_selected_by_the_benchmark_s_names():
     """--models is checked against benchmark_models(); each XLA model's name starts with the
-    name of the benchmark network it mirrors, so the same filter selects it."""
-    names = [spec.name for spec in models.benchmark_models()]
+    family name of the benchmark network it mirrors (its size may differ: the peer table's
+    Transformer has sequence 128), so the same filter selects it."""
+    families = {spec.name.split(" ")[0] for spec in models.benchmark_models()}
     for spec in models.xla_models():
-        assert any(spec.name.startswith(name) for name in names), spec.name
+        assert spec.name.split(" ")[0] in families, spec.name
+        assert models.select(models.xla_models(), [spec.name.split(" ")[0]])
     assert [s.name for s in models.select(models.xla_models(), ["transformer"])] == [
-        "Transformer 8 layers b=8 seq=256 (raw ops)"]
+        "Transformer 8 layers b=8 seq=128 (raw ops)"]
 
 
 def test_a_row_that_ran_tf_gradients_again_shows_no_ratio_of_noise():
@@ -221,6 +225,21 @@ def test_benchmark_json_holds_every_result_plainly(monkeypatch, capsys, tmp_path
     reference, ours = data["graph"][0]
     assert reference["method"] == {"label": "tf.gradients", "checkpoints": None}
     assert ours["peak_bytes"] == 25 and ours["max_rel_error"] is None   # NaN is not JSON
+
+
+def test_build_time_command_prints_json_with_every_method_s_seconds():
+    proc = _run(["-m", "memsave_grads", "build-time", "--families", "residual", "--sizes",
+                 "8,16", "--checkpoints", "memory,budget:50%", "--rounds", "1", "--format",
+                 "json"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data["title"] == "Gradient construction time against graph size"
+    small, large = data["graphs"]
+    assert (small["size"], large["size"]) == (8, 16) and small["graph_ops"] < large["graph_ops"]
+    for row in (small, large):
+        assert set(row["cpu_seconds"]) == {"tf.gradients", "memory", "budget:50%"}, row
+        assert all(seconds > 0 for seconds in row["cpu_seconds"].values()) and not row["failed"]
+        assert row["tf_gradients_ops"] > 0
 
 
 def test_solvers_command_plans_the_chosen_networks():
@@ -307,7 +326,9 @@ USAGE_ERRORS = [
      "existing folder, got '/no/such/folder/t.md'"),
     (["nonsense"], "argument COMMAND: invalid choice: 'nonsense'"),
     ([], "expected a command, one of demo, benchmark, scaling, explain, budgets, tradeoff, "
-     "fit-limit, solvers; got none"),
+     "fit-limit, solvers, build-time; got none"),
+    (["build-time", "--families", "residual,lstm"], "argument --families: expected "
+     "comma-separated families of residual, transformer, convnet, got 'lstm'"),
 ]
 
 
@@ -350,6 +371,8 @@ def test_top_level_help_lists_every_command_with_one_line(capsys):
      ["--depth"]),
     ("solvers", ["--output", "--models", "--fractions", "(default: 0.75,0.6,0.5,0.4,0.35)"],
      ["--repeats", "--plot"]),
+    ("build-time", ["--families", "--sizes", "--checkpoints", "(default: memory,budget:50%)",
+                    "--rounds", "(default: 3)", "--output", "--format"], ["--repeats", "--plot"]),
 ])
 def test_each_command_has_its_own_help(command, present, absent, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -77,3 +77,39 @@ def test_gradients_equal_tf_gradients_on_a_conv_stack():
     assert report.predicted_peak_bytes < report.predicted_plain_peak_bytes
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def test_a_step_traced_again_is_not_planned_again(monkeypatch):
+    """The same forward pass traced again (as Keras traces a training step again) is planned
+    once per strategy, and its gradients are the first trace's; another depth, another batch
+    size (other tensor sizes) or another strategy or budget is planned anew."""
+    from memsave_grads._tf import selection  # pylint: disable=import-outside-toplevel
+    selection._PLANS.clear()
+    planned = []
+    make_plan = selection._make_plan
+    monkeypatch.setattr(selection, "_make_plan", lambda ctx, checkpoints: planned.append(
+        (len(ctx.region), checkpoints)) or make_plan(ctx, checkpoints))
+    rng = np.random.RandomState(0)
+    weights = [tf.constant(rng.randn(32, 32).astype(np.float32) * 0.2) for _ in range(12)]
+
+    def traced(depth, batch=16, checkpoints="memory"):
+        x = tf.constant(np.random.RandomState(1).randn(batch, 32).astype(np.float32))
+
+        @tf.function
+        def step(x):
+            h = x
+            for w in weights[:depth]:
+                h = h + tf.tanh(h @ w)
+            return mg.gradients(tf.reduce_sum(h * h), [x], checkpoints=checkpoints)[0]
+        return step(x).numpy()
+
+    first, second = traced(12), traced(12)
+    assert len(planned) == 1
+    np.testing.assert_array_equal(first, second)
+    for count, (depth, batch, checkpoints) in enumerate(
+            [(10, 16, "memory"), (12, 8, "memory"), (12, 16, "budget:50%"),
+             (12, 16, "budget:40%"), (12, 16, "budget:40%:dp")], start=2):
+        traced(depth, batch, checkpoints)
+        assert len(planned) == count, (depth, batch, checkpoints)
+    traced(12, 16, "budget:50%")  # made before: not again
+    assert len(planned) == 6

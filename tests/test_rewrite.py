@@ -258,3 +258,56 @@ def test_gradient_ops_name_the_forward_op_not_its_copy(graph, strategy):
     x_grad = grads[-1].op  # built by the gradient of layer 0's MatMul, which was recomputed
     assert x_grad.type == "MatMul"
     assert x_grad._original_op.name == "MatMul"  # pylint: disable=protected-access
+
+
+def test_a_boundary_is_the_colocated_identity_tf_would_make():
+    """stitch._boundary builds without tf.identity what ``colocate_with(t.op)`` +
+    ``tf.identity`` build: the op, its colocation groups, device, shape, and a resource's
+    handle data; inside a caller's colocate_with block, that block's groups too."""
+    from memsave_grads._tf import stitch  # pylint: disable=import-outside-toplevel
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device("/cpu:0"):
+            variable = tf.compat.v1.get_variable("v", [3, 2], use_resource=True)
+            value = tf.tanh(tf.ones([4, 3]), name="value")
+        anchor = tf.constant(1.0, name="anchor")
+        for t in (value, variable.handle):
+            ours = stitch._boundary(t, "level/boundary/")
+            with graph.colocate_with(t.op):
+                theirs = tf.identity(t)
+            assert ours.op.type == theirs.op.type == "Identity"
+            assert ours.op.name.startswith("level/boundary/Identity")
+            assert ours.op.colocation_groups() == theirs.op.colocation_groups()
+            assert ours.op.device == theirs.op.device
+            assert ours.shape.as_list() == theirs.shape.as_list()
+        assert _handle_data(ours) == _handle_data(variable.handle)
+        with graph.colocate_with(anchor.op):
+            inside = stitch._boundary(value, "level/boundary/")
+        assert set(inside.op.colocation_groups()) == {b"loc:@value", b"loc:@anchor"}
+
+
+@tf.RegisterGradient("MemsaveGradsTestDoubledRead")
+def _doubled_read_gradient(_, grad):
+    return 2.0 * grad
+
+
+def test_a_variable_read_given_another_gradient_keeps_it(graph, session):
+    """The final level passes a variable read's gradient straight to its variable (stitch.
+    _read_gradients_passed_on), but not where gradient_override_map gave the read another
+    gradient: the gradients are tf.gradients' either way."""
+    x = tf.constant(np.random.RandomState(0).randn(4, 8).astype(np.float32))
+    ws = [tf.Variable(np.random.RandomState(i).randn(8, 8).astype(np.float32) / 3)
+          for i in range(8)]
+    h = x
+    for i, w in enumerate(ws):
+        if i % 2:
+            with graph.gradient_override_map({"ReadVariableOp": "MemsaveGradsTestDoubledRead"}):
+                read = w.read_value()
+        else:
+            read = w.read_value()
+        h = tf.tanh(tf.matmul(h, read))
+    loss = tf.reduce_sum(h * h)
+    session.run(tf.compat.v1.global_variables_initializer())
+    theirs = session.run(tf.gradients(loss, ws))
+    ours = session.run(mg.gradients(loss, ws, checkpoints="memory"))
+    assert_grads_close(ours, theirs)

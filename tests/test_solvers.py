@@ -16,6 +16,7 @@ from memsave_grads.core import memory_model
 from memsave_grads.core import planners
 from memsave_grads.core import solvers
 from memsave_grads.core.solvers import greedy as greedy_lib
+from memsave_grads.core.solvers import milp as milp_lib
 from strategies import chain, matmul_tanh_problem, random_problem
 
 
@@ -285,3 +286,29 @@ def test_dp_pruning_labels_early_changes_nothing(fraction, monkeypatch):
                                                problem.budget_bytes, (None, 20.0))
     assert found[10**9] is not None
     assert found[1] == found[2] == found[10**9]
+
+
+def test_dp_is_anytime_on_graphs_of_thousands_of_ops():
+    """With its deadline already past, ``"dp"`` still answers: the plan of its first, coarsest
+    round, within the budget and not claimed optimal (it did not run on every position)."""
+    problem = matmul_tanh_problem(1500)
+    budget = int(0.4 * memory_model.plain_peak_bytes(problem.graph))
+    plan = solvers.solve_dp(dataclasses.replace(problem.with_budget(budget),
+                                                deadline_seconds=0.0))
+    assert plan.predicted_peak_bytes <= budget and not plan.optimal
+    with_time = solvers.solve_dp(dataclasses.replace(problem.with_budget(budget),
+                                                     deadline_seconds=60.0))
+    assert with_time.recompute_cost <= plan.recompute_cost
+
+
+def test_milp_answers_on_graphs_larger_than_it_builds():
+    """Past MILP_MAX_NODES the MILP is not built; the answer is the best plan of the greedy and
+    anytime dp solvers, within the budget, never claimed optimal."""
+    problem = matmul_tanh_problem(milp_lib.MILP_MAX_NODES + 10)
+    assert problem.graph.num_nodes > milp_lib.MILP_MAX_NODES
+    budget = int(0.4 * memory_model.plain_peak_bytes(problem.graph))
+    plan = solvers.solve_milp(dataclasses.replace(problem.with_budget(budget),
+                                                  deadline_seconds=0.0))
+    greedy = solvers.solve_greedy(problem.with_budget(budget))
+    assert plan.predicted_peak_bytes <= budget and not plan.optimal
+    assert plan.recompute_cost <= greedy.recompute_cost

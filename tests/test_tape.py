@@ -549,7 +549,7 @@ def test_a_tape_entered_before_routing_is_tensorflow_s(notices, spy):
 def test_an_outer_tape_left_to_tensorflow_differentiates_a_routed_inner_gradient(notices, spy):
     """The outer tape was entered before routing began, so TensorFlow's tape computes its
     gradient, through the routed inner gradient: it must have recorded the rewrite's copies
-    (``rewrite._record_on_tapes``) and gradient ops."""
+    (``rewrite.record_on_tapes``) and gradient ops."""
     def nested(route: bool):
         @tf.function
         def penalty_gradient(x):

@@ -30,7 +30,7 @@ def _measured(spec, method):
     (``bench.xla.measure``): XLA allocates a step's temporaries as one buffer, and the BFC
     allocator may place it, unsplit, in a free chunk up to twice its size that earlier tests
     left behind, so an in-process peak depends on which tests ran before."""
-    result = bench_xla.measure(spec, method, jit_compile=True, repeats=1)
+    result = bench_xla.measure(spec, method, jit_compile=True)
     assert result.failed is None, result.failed
     return result
 

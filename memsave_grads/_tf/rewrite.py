@@ -112,14 +112,14 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
             new._gradient_function = op._gradient_function  # pylint: disable=protected-access
             for original, copied in zip(op.outputs, new.outputs):
                 copied.set_shape(original.shape)
-                _copy_handle_data(original, copied)
+                copy_handle_data(original, copied)
             if extra:
                 new._add_control_inputs(extra)  # pylint: disable=protected-access
             for attr in _CACHED_FUNC_GRAPH_ATTRS:
                 if hasattr(new, attr):
                     delattr(new, attr)
             _give_own_functions(new)
-            _record_on_tapes(new)
+            record_on_tapes(new)
             copies[op] = new
     return copies
 
@@ -147,8 +147,9 @@ def credit_gradients_to_originals(grads: Sequence, floors: Mapping[tf.Graph, int
             replayed = getattr(replayed, _REPLAYS, None)
 
 
-def _copy_handle_data(original: tf.Tensor, copied: tf.Tensor) -> None:
-    """Give a copied variant or resource output its original's handle data (the shape and
+def copy_handle_data(original: tf.Tensor, copied: tf.Tensor) -> None:
+    """Give a copied variant or resource output (a copy's, or a boundary's:
+    ``stitch._boundary``) its original's handle data (the shape and
     dtype of what it holds: a While's TensorList accumulators, a variable's value).
     ``_create_op_internal`` runs the op's C++ shape function, which derives handle data for
     ops like ``TensorListPushBack`` but not for a ``While`` or a function call, whose Python
@@ -158,7 +159,7 @@ def _copy_handle_data(original: tf.Tensor, copied: tf.Tensor) -> None:
         handle_data_util.copy_handle_data(original, copied)
 
 
-def _record_on_tapes(op: tf.Operation) -> None:
+def record_on_tapes(op: tf.Operation) -> None:
     """Record a copy on the gradient tapes recording now, as TensorFlow's own op wrappers
     record every op they make (``Graph._create_op_internal`` does not): a second tape around
     ``recompute``'s gradient (a gradient of a gradient) must see that the replayed values

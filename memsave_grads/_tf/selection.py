@@ -10,6 +10,7 @@ rule (:func:`decide_schedule`) compares the plan's predicted peak with plain tf.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from typing import Callable, Iterable, Sequence
@@ -19,6 +20,7 @@ import tensorflow as tf
 from memsave_grads._tf import function_ops
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads.core import budgets
+from memsave_grads.core import fast_replay
 from memsave_grads import errors
 from memsave_grads.core.checkpoints import ParsedCheckpoints
 from memsave_grads.core import graph as graph_lib
@@ -235,7 +237,7 @@ def select_budget(ctx: SelectionContext, budget: budgets.Budget) -> plan_lib.Pla
             model.names, model.costs, budget.op_seconds))
     candidates, must_keep, not_replayed = ctx.node_sets()
     # A fraction is of plain tf.gradients' peak, the loops' bodies as they are.
-    plain_bytes = memory_model.plain_peak_bytes(ctx.plain_model)
+    plain_bytes = fast_replay.plain_peak_bytes(ctx.plain_model)
     problem = problem_lib.BudgetProblem(
         graph=model, budget_bytes=budget.resolve_bytes(plain_bytes),
         must_keep=frozenset(must_keep), candidates=frozenset(candidates),
@@ -314,10 +316,55 @@ def select(ctx: SelectionContext, checkpoints: ParsedCheckpoints) -> set[tf.Oper
     return select_explicit(ctx, checkpoints.items)
 
 
+#: The planners' plans by everything they depend on (:func:`_plan_key`), so that a step
+#: traced again (Keras traces its training step once per input signature, and again after
+#: ``compile``, a calibration or ``train_on_batch`` of another size) is not planned again
+#: (design note "planning cost"). A few, most recent kept.
+_PLANS: collections.OrderedDict = collections.OrderedDict()
+PLAN_CACHE_SIZE = 16
+
+
+def _plan_key(ctx: SelectionContext, checkpoints: ParsedCheckpoints):
+    """What a planner's plan depends on: the graph model (sizes, costs, flags, names), the
+    node sets, the strategy or budget; None where nothing is cached (explicit tensors, the
+    graph collection and ``"speed"`` choose without planning; a budget with measured op
+    seconds plans with costs the model does not hold)."""
+    budget = checkpoints.budget
+    if budget is None and checkpoints.strategy != "memory":
+        return None
+    if budget is not None and budget.op_seconds:
+        return None
+    candidates, must_keep, not_replayed = ctx.node_sets()
+    # The models without their memo: the key outlives this call, its planners' caches need
+    # not. A budget's fraction is of plain tf.gradients' model, which differs from the
+    # planners' where loops are recomputed inside.
+    strategy = repr(budget) if budget is not None else checkpoints.strategy
+    plain = (graph_lib.without_memo(ctx.plain_model)
+             if budget is not None and ctx.plain_model is not ctx.model else None)
+    return (graph_lib.without_memo(ctx.model), plain, strategy, tuple(candidates),
+            tuple(sorted(must_keep)), tuple(sorted(not_replayed)))
+
+
 def make_plan(ctx: SelectionContext, checkpoints: ParsedCheckpoints) -> plan_lib.Plan:
     """The plan ``checkpoints`` makes on ``ctx``: what the strategy chose (or the planner's
     plan), plus the ops kept anyway, closed for single ownership (design note "single owner":
-    ``graph.close_segments``), in node numbers of ``ctx.model``."""
+    ``graph.close_segments``), in node numbers of ``ctx.model``. A planner's plan for the same
+    model, node sets and strategy is planned once (:data:`_PLANS`)."""
+    key = _plan_key(ctx, checkpoints)
+    if key is not None and key in _PLANS:
+        _PLANS.move_to_end(key)
+        _LOG.debug("memsave_grads: the plan of this graph (%d forward ops) was made before; "
+                   "not planning again", len(ctx.region))
+        return _PLANS[key]
+    plan = _make_plan(ctx, checkpoints)
+    if key is not None:
+        _PLANS[key] = plan
+        while len(_PLANS) > PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    return plan
+
+
+def _make_plan(ctx: SelectionContext, checkpoints: ParsedCheckpoints) -> plan_lib.Plan:
     chosen = select(ctx, checkpoints)
     _, must_keep, _ = ctx.node_sets()
     if isinstance(chosen, plan_lib.Plan):  # planners close their plans themselves
@@ -379,8 +426,12 @@ def _predicted_peaks(ctx: SelectionContext, plan: plan_lib.Plan,
     if ctx.unknown_dimensions:
         model = dataclasses.replace(model, param_bytes=())
         plain_model = dataclasses.replace(plain_model, param_bytes=())
-    peak, _ = memory_model.plan_peak_and_cost(model, plan, plan_workspace)
-    return peak, memory_model.plain_peak_bytes(plain_model, workspace), scratch
+    if plan.children:  # nested levels: the full replay
+        peak, _ = memory_model.plan_peak_and_cost(model, plan, plan_workspace)
+    else:
+        peak = fast_replay.replayer(model, plan.not_replayed, plan_workspace).peak_bytes(
+            plan.kept)
+    return peak, fast_replay.plain_peak_bytes(plain_model, workspace), scratch
 
 
 def decide_schedule(ctx: SelectionContext, checkpoints: ParsedCheckpoints,

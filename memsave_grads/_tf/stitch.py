@@ -19,6 +19,7 @@ import logging
 from typing import Iterable, Mapping, Sequence
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 
 from memsave_grads._tf import exposure
 from memsave_grads._tf import ordering
@@ -232,10 +233,62 @@ def _top(state: _Backprop, ys, grad_ys, top: list[tf.Operation]) -> None:
     state.run(targets, target_grads, sources)
 
 
+def _boundary(t: tf.Tensor, scope: str) -> tf.Tensor:
+    """``tf.identity(t)`` colocated with ``t``, made the way ``colocate_with(t.op)`` would
+    make it (``t.op``'s colocation groups and device) but without the context managers and the
+    op-definition library: a level makes one per source, and on a 1000-block chain the
+    ``tf.identity`` route was a tenth of the whole rewrite's time (design note
+    "boundaries"). Recorded on the tapes recording now, as ``tf.identity`` would be."""
+    graph = t.graph
+    # TF1 reference variables (tf.identity reads the value behind the reference), and a call
+    # inside a colocate_with block, whose groups colocate_with(t.op) would add to t.op's: the
+    # ordinary route.
+    if t.dtype._is_ref_dtype or graph._colocation_stack:  # pylint: disable=protected-access
+        with graph.name_scope(scope.rstrip("/")), graph.colocate_with(t.op):
+            return tf.identity(t)
+    groups = sorted(set(t.op.colocation_groups()))
+    attrs = {"T": attr_value_pb2.AttrValue(type=t.dtype.as_datatype_enum),
+             "_class": attr_value_pb2.AttrValue(
+                 list=attr_value_pb2.AttrValue.ListValue(s=groups))}
+    op = graph._create_op_internal(  # pylint: disable=protected-access
+        "Identity", [t], dtypes=[t.dtype], name=f"{scope}Identity", attrs=attrs,
+        compute_device=False)
+    op._set_device(t.op.device)  # pylint: disable=protected-access
+    out = op.outputs[0]
+    out.set_shape(t.shape)
+    rewrite.copy_handle_data(t, out)  # a resource's or variant's, as tf.identity passes on
+    rewrite.record_on_tapes(op)
+    return out
+
+
+def _read_gradients_passed_on(state: _Backprop, kept_nodes: Sequence[int]) -> list[int]:
+    """The final level's variable reads whose gradient is their incoming gradient, passed to
+    their variable as its partial without a ``tf.gradients`` call; the other nodes are left
+    for the call. A ``ReadVariableOp``'s registered gradient returns its incoming gradient
+    unchanged, so the call would only wrap it in a ``grad_ys`` identity: one op per variable
+    (a thousand on a 1000-layer MLP). Not where the caller stops gradients at the read, nor
+    where ``gradient_override_map`` gave the read another gradient."""
+    stopped = {t.ref() for t in state.options.user_stops}
+    left = []
+    for k in kept_nodes:
+        op = state.ops[k]
+        if (op.type == "ReadVariableOp" and op.inputs[0].ref() in state.x_refs
+                and "_gradient_op_type" not in op.node_def.attr  # gradient_override_map
+                and op.outputs[0].ref() not in stopped and op.inputs[0].ref() not in stopped):
+            d = state.total(op.outputs[0])
+            if d is not None:
+                state.partials[op.inputs[0].ref()].append(d)
+            continue
+        left.append(k)
+    return left
+
+
 def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.Schedule,
            label: int | str, kept_nodes: Sequence[int]) -> None:
     """One level: copy the segments of its active kept ops and differentiate them in one call
     (or, where they have sub-plans, run the level's own schedule over the copies)."""
+    if label == "final":
+        kept_nodes = _read_gradients_passed_on(state, kept_nodes)
     active = []
     for k in kept_nodes:
         op = state.ops[k]
@@ -252,11 +305,7 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
     # the graph downstream. Identities, not StopGradient, so that a later derivative of
     # these gradients still reaches the checkpoints (design note "boundaries").
     copied_sources = state.sources(to_copy)
-    boundaries = {}
-    with tf.name_scope(f"{scope}/boundary"):
-        for t in copied_sources:
-            with t.graph.colocate_with(t.op):
-                boundaries[t.ref()] = tf.identity(t)
+    boundaries = {t.ref(): _boundary(t, f"{scope}/boundary/") for t in copied_sources}
     incoming = [d for _, ds in active for d in ds if d is not None]
     control = [c for d in incoming for c in _arrival_ops(d)]
     # Under XLA, which drops control inputs, the copies also wait for the level's gradients

@@ -24,6 +24,7 @@ from memsave_grads import errors
 from memsave_grads import fit_limit
 from memsave_grads import keras as mg_keras
 from memsave_grads import measure
+from memsave_grads.bench import build_time as bench_build_time
 from memsave_grads.bench import control_flow as bench_control_flow
 from memsave_grads.bench import harness
 from memsave_grads.bench import models
@@ -314,6 +315,22 @@ def solvers_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def build_time_command(args: argparse.Namespace) -> int:
+    """``build-time``: gradient construction time against graph size, one table."""
+    methods = [None, *args.checkpoints]
+    results = []
+    for family in args.families:
+        for size in args.sizes or bench_build_time.DEFAULT_SIZES[family]:
+            spec = bench_build_time.FAMILIES[family](size)
+            _LOG.info("%s %d ...", spec.family, size)
+            results.append(bench_build_time.measure(spec, methods, rounds=args.rounds))
+    _write(args, bench_build_time.table(results, methods) + "\n\n" +
+           bench_build_time.TABLE_NOTES, "Gradient construction time against graph size",
+           {"notes": bench_build_time.TABLE_NOTES,
+            "graphs": [bench_build_time.as_data(r) for r in results]})
+    return 1 if any(r.failed for r in results) else 0
+
+
 def _log_try(attempt: fit_limit.Attempt, index: int, dimension: str) -> None:
     outcome = "fits" if attempt.fits else (
         "out of memory" if attempt.out_of_memory else "failed")
@@ -454,4 +471,4 @@ def _time_fit_limit_methods(args: argparse.Namespace, searches) -> list:
 #: Subcommand name -> its function (the parser in memsave_grads.cli has one subparser each).
 COMMANDS = {"demo": demo, "benchmark": benchmark, "scaling": scaling, "explain": explain,
             "budgets": budgets, "tradeoff": tradeoff, "fit-limit": fit_limit_command,
-            "solvers": solvers_command}
+            "solvers": solvers_command, "build-time": build_time_command}

@@ -1,13 +1,19 @@
 """The benchmark under XLA: one training step in ``tf.function``, with and without
-``jit_compile``, three ways: tf.gradients, memsave_grads ``"memory"``, and the peer a
-TensorFlow user would pick, ``tf.recompute_grad`` around every ``k ~ sqrt(n)`` blocks.
+``jit_compile``, four ways: tf.gradients, memsave_grads ``"memory"``, and the two peers a
+user already has: ``tf.recompute_grad`` around every ``k ~ sqrt(n)`` blocks (what a
+TensorFlow user would write) and Keras 3's ``keras.RematScope(mode="full")`` (every block a
+Keras layer created in the scope, so Keras wraps each block's call in ``tf.recompute_grad``:
+per-block rematerialization).
 
-The models are built as *blocks* (``h -> h``) between a stem and a head, so that
-``tf.recompute_grad`` can wrap groups of them; the variables and inputs are created eagerly,
-once, and every step function reads them.
+The models are built as *blocks* (``h -> h``) between a stem and a head, so that the peers can
+wrap them; the variables and inputs are created eagerly, once, and every step function reads
+them.
 
-Each (model, method, compilation) is measured in a fresh process (:func:`measure`, which runs
-this module as a script). XLA allocates a step's temporaries as one buffer, and the BFC
+Each (model, method, compilation) has its peak and gradient error measured in a fresh process
+(:func:`measure`, which runs this module as a script); the step times of one compilation are
+measured in one more process, every method's step timed in turns
+(:func:`measure.interleaved_median_seconds`), so that their ratios hold on a loaded machine
+where separate processes' times do not. XLA allocates a step's temporaries as one buffer, and the BFC
 allocator does not split a free chunk that is less than twice the request: in a process whose
 heap earlier steps left in pieces, the same program measured up to 1.5x more (the residual
 MLP: 22.5 instead of 17 MiB) depending on what ran before. Peaks are the allocator's (on CPU,
@@ -184,8 +190,9 @@ def transformer(layers_count: int = 8, batch: int = 8, sequence: int = 256, d_mo
 # Methods and measurement
 # --------------------------------------------------------------------------------------------
 
-#: The three ways, by label; the first is the reference.
-METHODS = ("tf.gradients", "memsave_grads 'memory'", "tf.recompute_grad")
+#: The four ways, by label; the first is the reference.
+METHODS = ("tf.gradients", "memsave_grads 'memory'", "tf.recompute_grad", "keras.RematScope")
+PLAIN, MEMORY, RECOMPUTE_GRAD, REMAT_SCOPE = METHODS
 
 
 def group_size(blocks: int) -> int:
@@ -193,8 +200,36 @@ def group_size(blocks: int) -> int:
     return max(1, round(math.sqrt(blocks)))
 
 
-def _loss_and_grads(model: BlockModel, method: str):
-    if method == METHODS[2]:
+def remat_scope_blocks(model: BlockModel) -> list:
+    """Each block as a Keras 3 layer created inside ``keras.RematScope(mode="full")``; calling
+    one wraps the block in ``tf.recompute_grad`` (Keras' remat on TensorFlow). The layer's
+    ``call`` takes no ``training=`` argument, which is what lets the remat run in a traced step
+    (docs: DESIGN.md fact 19). Built eagerly, once, like the variables."""
+    import keras  # pylint: disable=import-outside-toplevel  # Keras 3, only for this method
+
+    class Block(keras.layers.Layer):
+        def __init__(self, fn, **kwargs):
+            super().__init__(**kwargs)
+            self.fn = fn
+
+        def call(self, h):  # no training=: see the docstring
+            return self.fn(h)
+
+    with keras.RematScope(mode="full"):
+        return [Block(fn, name=f"block_{i}") for i, fn in enumerate(model.blocks)]
+
+
+def _loss_and_grads(model: BlockModel, method: str, layers: Sequence | None = None):
+    """(loss, gradients of the variables) of one forward pass by ``method``; ``layers``: the
+    blocks as RematScope layers (:func:`remat_scope_blocks`), for that method."""
+    if method == REMAT_SCOPE:
+        with tf.GradientTape() as tape:
+            h = model.stem()
+            for layer in layers:
+                h = layer(h)
+            loss = model.head(h)
+        return loss, tape.gradient(loss, model.variables)
+    if method == RECOMPUTE_GRAD:
         k = group_size(len(model.blocks))
         with tf.GradientTape() as tape:
             h = model.stem()
@@ -210,14 +245,15 @@ def _loss_and_grads(model: BlockModel, method: str):
     for fn in model.blocks:
         h = fn(h)
     loss = model.head(h)
-    if method == METHODS[0]:
+    if method == PLAIN:
         return loss, original_gradients(loss, model.variables)
     return loss, api.gradients(loss, model.variables, checkpoints="memory", fallback="error")
 
 
 @dataclasses.dataclass
 class XlaResult:
-    """One (model, method, jit_compile) measurement."""
+    """One (model, method, jit_compile) measurement; ``median_seconds`` from the timing run
+    of its compilation, where every method's step ran in turns."""
 
     model: str
     method: str
@@ -236,60 +272,98 @@ def _max_rel_error(grads, reference) -> float:
     return worst
 
 
-def measure_model(spec: XlaSpec, repeats: int = 3) -> list[XlaResult]:
-    """Every method of :data:`METHODS`, without and with ``jit_compile``, each in its own
-    process (:func:`measure`)."""
-    return [measure(spec, method, jit, repeats) for jit in (False, True) for method in METHODS]
+def measure_model(spec: XlaSpec, repeats: int = 3,
+                  methods: Sequence[str] = METHODS) -> list[XlaResult]:
+    """``methods`` (the first is the reference), without and with ``jit_compile``: each
+    method's peak and error in its own process (:func:`measure`), then each compilation's
+    step times in one process, in turns (:func:`measure_times`)."""
+    results = []
+    for jit in (False, True):
+        row = [measure(spec, method, jit) for method in methods]
+        timed = [r.method for r in row if not r.failed]
+        seconds = measure_times(spec, timed, jit, repeats) if timed else {}
+        for r in row:
+            r.median_seconds = seconds.get(r.method)
+        results += row
+    return results
 
 
-def measure(spec: XlaSpec, method: str, jit_compile: bool, repeats: int = 3) -> XlaResult:
+def _failed(result: XlaResult, outcome: child.ChildRun, what: str) -> None:
+    result.failed = outcome.last_error_line()
+    _LOG.error("%s / %s / jit_compile=%s: %s failed:\n%s", result.model, result.method,
+               result.jit_compile, what, outcome.stderr[-3000:])
+
+
+def measure(spec: XlaSpec, method: str, jit_compile: bool) -> XlaResult:
     """One (model, method, compilation) in a fresh process: the gradients' error against
-    tf.gradients' under the same compilation (before any update), then a training step
-    (gradients + SGD update): the median time of ``repeats`` steps and the median peak."""
-    request = {"function": spec.function, "kwargs": spec.kwargs, "method": method,
-               "jit_compile": jit_compile, "repeats": repeats}
+    tf.gradients' under the same compilation (before any update), then the median peak of a
+    training step (gradients + SGD update)."""
+    request = {"function": spec.function, "kwargs": spec.kwargs, "methods": [method],
+               "jit_compile": jit_compile, "measure": "peak"}
     outcome = child.run(__name__, request)
     result = XlaResult(spec.name, method, jit_compile)
     if outcome.returncode != 0 or outcome.result is None:
-        result.failed = outcome.last_error_line()
-        _LOG.error("%s / %s / jit_compile=%s failed:\n%s", spec.name, method, jit_compile,
-                   outcome.stderr[-3000:])
+        _failed(result, outcome, "the peak")
         return result
-    for key, value in outcome.result.items():
-        setattr(result, key, value)
-    _LOG.info("%s / %s / jit_compile=%s: peak %s MiB, median step %s ms, max rel grad err "
-              "%s", spec.name, method, jit_compile, _mib(result.peak_bytes),
-              _ms(result.median_seconds), result.max_rel_error)
+    result.peak_bytes = outcome.result["peak_bytes"]
+    result.max_rel_error = outcome.result["max_rel_error"]
+    _LOG.info("%s / %s / jit_compile=%s: peak %s MiB, max rel grad err %s", spec.name,
+              method, jit_compile, _mib(result.peak_bytes), result.max_rel_error)
     return result
 
 
-def _measure_here(request: dict, learning_rate: float = 1e-4) -> dict:
-    """The child's side of :func:`measure`."""
-    if measure_lib.default_device() == "CPU:0":
-        measure_lib.reserve_cpu_heap()
-    model = globals()[request["function"]](**request["kwargs"])
-    method, jit = request["method"], request["jit_compile"]
-    out = {}
-    reference = tf.function(lambda: _loss_and_grads(model, METHODS[0])[1], jit_compile=jit)()
-    if method != METHODS[0]:
-        grads = tf.function(lambda: _loss_and_grads(model, method)[1], jit_compile=jit)()
-        out["max_rel_error"] = _max_rel_error(grads, reference)
-        del grads
-    else:
-        out["max_rel_error"] = 0.0
-    del reference
+def measure_times(spec: XlaSpec, methods: Sequence[str], jit_compile: bool,
+                  repeats: int = 3) -> dict[str, float]:
+    """The median step time of each of ``methods`` under one compilation, in one fresh
+    process, their steps timed in turns; {} where that process failed."""
+    request = {"function": spec.function, "kwargs": spec.kwargs, "methods": list(methods),
+               "jit_compile": jit_compile, "measure": "time", "repeats": repeats}
+    outcome = child.run(__name__, request)
+    if outcome.returncode != 0 or outcome.result is None:
+        _LOG.error("%s / jit_compile=%s: timing failed:\n%s", spec.name, jit_compile,
+                   outcome.stderr[-3000:])
+        return {}
+    _LOG.info("%s / jit_compile=%s: median step ms %s", spec.name, jit_compile,
+              {m: _ms(s) for m, s in outcome.result.items()})
+    return outcome.result
+
+
+def _training_step(model: BlockModel, method: str, jit: bool, learning_rate: float):
+    """A compiled training step of ``method`` (gradients + SGD update), run to completion."""
+    layers = remat_scope_blocks(model) if method == REMAT_SCOPE else None
 
     @tf.function(jit_compile=jit)
     def step():
-        loss, grads = _loss_and_grads(model, method)
+        loss, grads = _loss_and_grads(model, method, layers)
         for v, g in zip(model.variables, grads):
             v.assign_sub(learning_rate * g)
         return loss
 
-    def run_step():
-        return step().numpy()  # waits for the device (GPU kernels run asynchronously)
+    return lambda: step().numpy()  # waits for the device (GPU kernels run asynchronously)
 
-    out["median_seconds"] = measure_lib.median_seconds(run_step, repeats=request["repeats"])
+
+def _measure_here(request: dict, learning_rate: float = 1e-4) -> dict:
+    """The child's side of :func:`measure` and :func:`measure_times`."""
+    if measure_lib.default_device() == "CPU:0":
+        measure_lib.reserve_cpu_heap()
+    model = globals()[request["function"]](**request["kwargs"])
+    methods, jit = request["methods"], request["jit_compile"]
+    if request["measure"] == "time":
+        steps = [_training_step(model, method, jit, learning_rate) for method in methods]
+        seconds = measure_lib.interleaved_median_seconds(steps, repeats=request["repeats"])
+        return dict(zip(methods, seconds))
+    (method,) = methods
+    out = {"max_rel_error": 0.0}
+    if method != PLAIN:
+        def gradients_of(way):
+            layers = remat_scope_blocks(model) if way == REMAT_SCOPE else None
+            return tf.function(lambda: _loss_and_grads(model, way, layers)[1],
+                               jit_compile=jit)()
+        reference = gradients_of(PLAIN)
+        out["max_rel_error"] = _max_rel_error(gradients_of(method), reference)
+        del reference
+    run_step = _training_step(model, method, jit, learning_rate)
+    run_step()  # compiled and warmed up before the peak is read
     peaks = sorted(measure_lib.peak_bytes_of(run_step)[0] for _ in range(PEAK_RUNS))
     out["peak_bytes"] = peaks[len(peaks) // 2]
     return out
@@ -314,10 +388,11 @@ def table(results_per_model: Sequence[Sequence[XlaResult]]) -> str:
     rows = []
     for results in results_per_model:
         by_key = {(r.method, r.jit_compile): r for r in results}
-        for method in METHODS:
+        methods = list(dict.fromkeys(r.method for r in results))
+        for method in methods:
             cells = [results[0].model, method]
             for jit in (False, True):
-                r, ref = by_key[(method, jit)], by_key[(METHODS[0], jit)]
+                r, ref = by_key[(method, jit)], by_key[(methods[0], jit)]
                 if r.failed:
                     cells += ["failed", "-", "-", "-", r.failed[:40]]
                     continue
@@ -335,10 +410,13 @@ def table(results_per_model: Sequence[Sequence[XlaResult]]) -> str:
 TABLE_NOTES = (
     "One training step (gradients + SGD update) in tf.function, without XLA and with "
     "jit_compile=True. peak MiB: allocator peak of the step above the memory in use before it "
-    "(median of several runs). peak ratio: tf.gradients' peak over this one, under the same "
-    "compilation. time ratio: median step time over tf.gradients'. grad err: max over variables "
-    "of max|g - g_tf| / max|g_tf| against tf.gradients under the same compilation. "
-    "tf.recompute_grad wraps groups of ~sqrt(n) blocks (Chen et al.'s spacing).")
+    "(median of several runs, each method in a fresh process). peak ratio: tf.gradients' peak "
+    "over this one, under the same compilation. step ms, time ratio: median step time, and its "
+    "ratio to tf.gradients', every method of one compilation timed in turns in one process. "
+    "grad err: max over variables of max|g - g_tf| / max|g_tf| against tf.gradients under the "
+    "same compilation. tf.recompute_grad wraps groups of ~sqrt(n) blocks (Chen et al.'s "
+    "spacing); keras.RematScope(mode='full') wraps every block (a Keras 3 layer whose call "
+    "takes no training= argument) in tf.recompute_grad.")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ property-tested without building TensorFlow graphs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from typing import Iterable, Sequence
@@ -151,6 +152,22 @@ class ForwardGraph:
             for p in sorted(set(preds)):
                 out[p].append(node)
         return out
+
+
+def memo(graph: ForwardGraph) -> dict:
+    """A dictionary that lives as long as ``graph``, for what the planners compute once per
+    graph model and share (``fast_replay.replayer``, ``planners.CutSearch.of``). The model is
+    immutable, so nothing in it goes stale; it sits in the instance dictionary, as
+    ``functools.cached_property`` values do (``consumers``)."""
+    return graph.__dict__.setdefault("_memo", {})
+
+
+def without_memo(graph: ForwardGraph) -> ForwardGraph:
+    """An equal model that shares ``graph``'s fields but none of what :func:`memo` holds
+    (replays' caches, cut searches: megabytes on large graphs), for a long-lived key."""
+    bare = copy.copy(graph)
+    bare.__dict__.pop("_memo", None)
+    return bare
 
 
 def close_segments(graph: ForwardGraph, kept: Iterable[int], members: Iterable[int] | None = None,

@@ -57,7 +57,7 @@ VARIABLE_UPDATE_FACTOR = 2
 CONV_FILTER_GRADIENT_WORKING_SET_BYTES = 30 * 2**20
 
 
-class _Ledger:
+class Ledger:
     """Bytes in use and the highest value seen."""
 
     def __init__(self):
@@ -114,14 +114,14 @@ def plain_peak_bytes(graph: graph_lib.ForwardGraph,
     """
     n = graph.num_nodes
     consumers = graph.consumers()
-    release_at, retained = _backward_readers(graph, consumers, range(n))
-    ledger = _Ledger()
+    release_at, retained = backward_readers(graph, consumers, range(n))
+    ledger = Ledger()
     inside: set[int] = set()
-    _forward(graph, range(n), consumers, retained, ledger, kept=(), differentiated=range(n),
+    forward_sweep(graph, range(n), consumers, retained, ledger, kept=(), differentiated=range(n),
              inside=inside)
     grads: set[int] = set()
     for v in reversed(range(n)):
-        _backward_step(graph, v, grads, ledger, release_at, workspace_bytes, inside)
+        backward_step(graph, v, grads, ledger, release_at, workspace_bytes, inside)
     return ledger.peak
 
 
@@ -162,7 +162,7 @@ class _Replayer:
         self.consumers = graph.consumers()
         self.workspace_bytes = workspace_bytes
         self.trace = trace
-        self.ledger = _Ledger()
+        self.ledger = Ledger()
         self.grads: set[int] = set()
         self.cost = 0.0
         #: Nodes whose internal saved bytes are allocated (ForwardGraph.internal_saved_bytes).
@@ -182,16 +182,16 @@ class _Replayer:
         held until that level (design note "control flow and calls")."""
         graph, ledger, grads, workspace = self.graph, self.ledger, self.grads, self.workspace_bytes
         kept = sched.kept
-        release_at, top_retained = _backward_readers(graph, self.consumers, sched.top)
+        release_at, top_retained = backward_readers(graph, self.consumers, sched.top)
         retained = {v: v in kept or top_retained.get(v, False) for v in sched.members}
         in_place = set(sched.top) | {k for k, owned in sched.owned.items() if not owned}
         exposing = ({v for v in sched.members if v not in in_place and graph.exposed(v)}
                     if outermost else set())
-        _forward(graph, sched.members, self.consumers, retained, ledger, kept,
+        forward_sweep(graph, sched.members, self.consumers, retained, ledger, kept,
                  differentiated=in_place, inside=self.inside, exposing=exposing)
         self.exposing |= exposing
         for v in reversed(sched.top):
-            _backward_step(graph, v, grads, ledger, release_at, workspace, self.inside)
+            backward_step(graph, v, grads, ledger, release_at, workspace, self.inside)
         for level in sched.levels:
             group = level.nodes
             for k in group:
@@ -205,11 +205,11 @@ class _Replayer:
             if nested is not None:
                 self.run(nested, outermost=False)
             else:
-                release, saved = _backward_readers(graph, self.consumers, recomputed)
-                _forward(graph, recomputed, self.consumers, saved, ledger, kept=(),
+                release, saved = backward_readers(graph, self.consumers, recomputed)
+                forward_sweep(graph, recomputed, self.consumers, saved, ledger, kept=(),
                          differentiated=recomputed, inside=self.inside)
                 for v in reversed(recomputed):
-                    _backward_step(graph, v, grads, ledger, release, workspace, self.inside)
+                    backward_step(graph, v, grads, ledger, release, workspace, self.inside)
             for v in recomputed:  # the replays have read what their originals exposed
                 if v in self.exposing:
                     self.exposing.discard(v)
@@ -217,7 +217,7 @@ class _Replayer:
             for k in active:
                 if k in grads or k in self.inside:
                     # A never-replayed kept node: its gradient goes to xs.
-                    _backward_step(graph, k, grads, ledger, {}, workspace, self.inside)
+                    backward_step(graph, k, grads, ledger, {}, workspace, self.inside)
 
 
 def retained_bytes(graph: graph_lib.ForwardGraph) -> list[int]:
@@ -234,7 +234,7 @@ def retained_bytes(graph: graph_lib.ForwardGraph) -> list[int]:
     return out
 
 
-def _backward_readers(graph, consumers, members) -> tuple[dict, dict]:
+def backward_readers(graph, consumers, members) -> tuple[dict, dict]:
     """Which outputs the backward pass over ``members`` reads, and after which step it may
     free them: the last of its readers in reverse order, i.e. the lowest-numbered one."""
     members = list(members)
@@ -259,7 +259,7 @@ def _buffer_bytes(graph, v, kept) -> int:
     return graph.size_bytes[v] if v in kept or not graph.is_view(v) else 0
 
 
-def _forward(graph, order, consumers, retained, ledger, kept, differentiated=(),
+def forward_sweep(graph, order, consumers, retained, ledger, kept, differentiated=(),
              inside: set | None = None, exposing=()) -> None:
     """Run ``order`` forward, freeing each output after its last consumer in ``order`` unless
     ``retained``. Nodes in ``differentiated`` (their gradient is taken from this run) allocate
@@ -295,7 +295,7 @@ def _forward(graph, order, consumers, retained, ledger, kept, differentiated=(),
             ledger.free(size)
 
 
-def _backward_step(graph, v, grads: set, ledger, release_at,
+def backward_step(graph, v, grads: set, ledger, release_at,
                    workspace_bytes: Sequence[int] | None = None,
                    inside: set | None = None) -> None:
     """Backprop through ``v``: allocate its inputs' gradients and its variables' gradients

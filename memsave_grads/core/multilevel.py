@@ -85,7 +85,7 @@ def balanced_plan(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     """A nested plan of exactly ``levels`` recomputation levels (where the graph has enough cut
     positions): each region's positions are cut into about n^(1/(levels+1)) equal parts,
     recursively. For tests and experiments; budgets use ``solvers.revolve.solve_revolve``."""
-    search = planners.CutSearch(graph, must_keep, candidates)
+    search = planners.CutSearch.of(graph, must_keep, candidates)
     positions = search.positions()
     parts = max(2, round((len(positions) + 1) ** (1.0 / (levels + 1))))
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 from typing import Iterable, Sequence
 
+import numpy as np
+
 from memsave_grads.core import budgets
+from memsave_grads.core import fast_replay
 from memsave_grads.core import graph as graph_lib
-from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
-from memsave_grads.core import schedule as schedule_lib
 
 #: This module's messages: a child of the ``memsave_grads`` logger.
 _LOG = logging.getLogger(__name__)
@@ -93,8 +94,22 @@ class CutSearch:
     generate plans here and differ only in how they choose among them.
     """
 
+    @classmethod
+    def of(cls, graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
+           candidates: Iterable[int]) -> "CutSearch":
+        """The search of these arguments, made once per graph model (``graph.memo``): the
+        ``"memory"`` planner and the solvers after it share its cuts and kept sets."""
+        must_keep, candidates = frozenset(must_keep), frozenset(candidates)
+        key = ("cut search", must_keep, candidates)
+        memo = graph_lib.memo(graph)
+        if key not in memo:
+            memo[key] = cls(graph, must_keep, candidates)
+        return memo[key]
+
     def __init__(self, graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
                  candidates: Iterable[int]):
+        self._cuts: dict[int, tuple] = {}
+        self._kept: dict[tuple, set] = {}
         self.graph = graph
         self.must_keep = set(must_keep)
         candidate_set = set(candidates) | self.must_keep
@@ -144,14 +159,20 @@ class CutSearch:
         return (self.total_bytes / self.largest_bytes) ** (1.0 / (points - 1))
 
     def cuts_for(self, cap_bytes: int) -> tuple:
-        return tuple(_greedy_cuts(self.graph, self.uses, self.ends_at, self.allowed, cap_bytes))
+        if cap_bytes not in self._cuts:
+            self._cuts[cap_bytes] = tuple(_greedy_cuts(self.graph, self.uses, self.ends_at,
+                                                       self.allowed, cap_bytes))
+        return self._cuts[cap_bytes]
 
     def kept_for(self, cuts: Iterable[int]) -> set:
         """The live frontiers of ``cuts`` plus ``must_keep``, closed for single ownership."""
-        kept = set(self.must_keep)
-        for live in graph_lib.frontiers(self.graph, sorted(cuts), uses=self.uses):
-            kept.update(live)
-        return graph_lib.close_segments(self.graph, kept)
+        cuts = tuple(sorted(cuts))
+        if cuts not in self._kept:
+            kept = set(self.must_keep)
+            for live in graph_lib.frontiers(self.graph, cuts, uses=self.uses):
+                kept.update(live)
+            self._kept[cuts] = frozenset(graph_lib.close_segments(self.graph, kept))
+        return set(self._kept[cuts])
 
     def quick_bytes(self, cuts: Sequence[int], kept: Iterable[int]) -> int:
         """A fast estimate of a plan's peak: kept bytes plus the largest gap between cuts."""
@@ -177,11 +198,11 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     whether to run it is the never-worse rule's call (``selection.decide_schedule``).
     """
     not_replayed = set(not_replayed)
-    search = CutSearch(graph, must_keep, candidates)
+    search = CutSearch.of(graph, must_keep, candidates)
     if not search.feasible:
         return None
     n = graph.num_nodes
-    plain_peak = memory_model.plain_peak_bytes(graph)
+    plain_peak = fast_replay.plain_peak_bytes(graph)
     # Each cap gives a plan; a quick estimate ranks them, and only the best few are replayed by
     # the memory model, which is slower.
     quick: dict[tuple, tuple] = {}
@@ -203,15 +224,16 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
         propose(int(best_cap * fine ** i))
 
     plans = []
+    replayer = fast_replay.replayer(graph, not_replayed)
+    # Expensive ops weigh more: among plans of equal peak, recompute the cheap ones.
+    weights = np.asarray([EXPENSIVE_RECOMPUTE_WEIGHT if graph.is_expensive(v) else 1
+                          for v in range(n)], dtype=np.float64)
     for cuts, (_, cap_bytes, kept) in sorted(quick.items(), key=lambda kv: kv[1][0])[
             :SIMULATED_PLANS]:
-        sched = schedule_lib.build(graph, kept, not_replayed)
-        # Expensive ops weigh more: among plans of equal peak, recompute the cheap ones.
-        cost = sum(EXPENSIVE_RECOMPUTE_WEIGHT if graph.is_expensive(v) else 1
-                   for v in sched.recomputed_nodes())
+        peak, cost = replayer.score(kept, weights)
         plans.append(plan_lib.Plan(
             kept, not_replayed, planner="memory", cuts=cuts, segment_cap_bytes=cap_bytes,
-            predicted_peak_bytes=memory_model.replay(graph, sched)[0],
+            predicted_peak_bytes=peak,
             recompute_cost=cost,
             reason=f"cut at {len(cuts)} position{'' if len(cuts) == 1 else 's'} where the "
                    f"live frontier is small, at most {budgets.format_bytes(cap_bytes, 'MiB')} "

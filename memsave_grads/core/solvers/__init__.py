@@ -39,8 +39,8 @@ from typing import Callable, Iterable
 
 from memsave_grads import errors
 from memsave_grads.core import budgets
+from memsave_grads.core import fast_replay
 from memsave_grads.core import graph as graph_lib
-from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import planners
 from memsave_grads.core.solvers import problem as problem_lib
@@ -66,8 +66,10 @@ SOLVERS: dict[str, Callable[[problem_lib.BudgetProblem], plan_lib.Plan]] = {
 def solve(problem: problem_lib.BudgetProblem,
           solver: str = budgets.DEFAULT_SOLVER) -> plan_lib.Plan:
     """``SOLVERS[solver]``; a budget below every single-level plan goes to ``"revolve"``, whose
-    nested levels reach lower peaks (if it fails too, the error states the lower of the two
-    smallest peaks)."""
+    nested levels reach lower peaks. If it fails too, the error states the lower of the two
+    smallest peaks: revolve's (``revolve.smallest_peak_plan``, which counts the single-level
+    ``"memory"`` plan too), one number whatever the budget asked, met by a plan at that
+    budget."""
     try:
         plan = SOLVERS[solver](problem)
     except errors.InfeasibleBudgetError as single_level:
@@ -76,7 +78,8 @@ def solve(problem: problem_lib.BudgetProblem,
         try:
             plan = SOLVERS["revolve"](problem)
         except errors.InfeasibleBudgetError as nested:
-            # State the lower of the two minimums: on wide graphs revolve's can be higher.
+            # The lower of the two minimums (revolve's counts the single-level plan: never
+            # higher).
             if nested.min_feasible_bytes <= single_level.min_feasible_bytes:
                 raise nested from single_level
             raise single_level from None
@@ -103,7 +106,7 @@ def memory_plan(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     """
     started = time.perf_counter()
     lowest = planners.frontier_cuts(graph, must_keep, candidates, not_replayed)
-    if lowest is None or lowest.predicted_peak_bytes >= memory_model.plain_peak_bytes(graph):
+    if lowest is None or lowest.predicted_peak_bytes >= fast_replay.plain_peak_bytes(graph):
         return lowest
     problem = problem_lib.BudgetProblem(
         graph=graph, budget_bytes=lowest.predicted_peak_bytes, must_keep=frozenset(must_keep),
@@ -127,7 +130,7 @@ def tradeoff(problem: problem_lib.BudgetProblem, points: int = 12,
     the smallest feasible peak to plain ``tf.gradients``' peak, dominated plans dropped."""
     low = planners.frontier_cuts(problem.graph, problem.must_keep, problem.candidates,
                                  problem.not_replayed)
-    high = memory_model.plain_peak_bytes(problem.graph)
+    high = fast_replay.plain_peak_bytes(problem.graph)
     low_bytes = low.predicted_peak_bytes if low is not None else high
     plans = []
     for i in range(points):

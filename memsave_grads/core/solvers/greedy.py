@@ -152,7 +152,7 @@ def _greedy_search(problem: problem_lib.BudgetProblem, scorer: problem_lib.Score
                    dp_seeds: bool) -> None:
     """The greedy solver's phases, best plans first; ``scorer`` keeps the best that fits and
     ends the search once it has scored as many plans as it may."""
-    search = planners.CutSearch(problem.graph, problem.must_keep, problem.candidates)
+    search = planners.CutSearch.of(problem.graph, problem.must_keep, problem.candidates)
     if search.feasible:
         if dp_seeds:
             # First: on graphs of thousands of ops the cut search alone can spend the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -10,17 +11,20 @@ from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core.solvers import problem as problem_lib
+from memsave_grads.core.solvers.dp import solve_dp
 from memsave_grads.core.solvers.greedy import solve_greedy
 from memsave_grads.core import schedule as schedule_lib
 
 #: This module's messages: a child of the ``memsave_grads`` logger.
 _LOG = logging.getLogger(__name__)
 
-#: The MILP refuses graphs larger than this (it grows quadratically in practice).
+#: The MILP is built for graphs of at most this many nodes (it grows quadratically); larger
+#: ones get the best of the greedy and anytime dp plans within the deadline.
 MILP_MAX_NODES = 600
 #: Solutions the MILP may reject (replay over budget, each then excluded) before it gives up
 #: on optimality; the time limit usually ends it first.
 MILP_MAX_ROUNDS = 1000
+#: The default deadline of the whole solve (the greedy plan and the MILP rounds), in seconds.
 MILP_TIME_LIMIT_SECONDS = 30.0
 #: The MILP's pair variables (see :func:`_milp_model`) are limited to about this many; beyond
 #: it each node looks back over a shorter window of ancestors (still a valid lower bound).
@@ -341,7 +345,7 @@ def milp_lower_bound(problem: problem_lib.BudgetProblem, kept, model: dict | Non
 
 
 def solve_milp(problem: problem_lib.BudgetProblem,
-               time_limit_seconds: float = MILP_TIME_LIMIT_SECONDS) -> plan_lib.Plan:
+               time_limit_seconds: float | None = None) -> plan_lib.Plan:
     """The cheapest kept set under the budget (exact; small graphs; needs scipy).
 
     The greedy plan comes first: its cost caps the MILP's objective (a plan must not recompute
@@ -350,6 +354,13 @@ def solve_milp(problem: problem_lib.BudgetProblem,
     again. Because the memory rows are a valid relaxation, the MILP's optimum is a lower bound
     of the true optimum at every round, so the plan is proven optimal as soon as the best plan
     replayed costs no more than that bound (``optimal=True``); never otherwise.
+
+    Anytime: everything (the greedy plan included) runs within ``time_limit_seconds`` (else
+    ``problem.deadline_seconds``, else :data:`MILP_TIME_LIMIT_SECONDS`), after which the best
+    plan found stands. On graphs of more than :data:`MILP_MAX_NODES` nodes the MILP is not
+    built (its memory rows hold a term per kept ancestor: quadratic, 9 million terms on 1300
+    nodes): the plan is the best of the greedy solver's and the anytime ``"dp"``'s in the time
+    left, never flagged optimal (design note "budget solvers").
     """
     try:
         import numpy as np  # pylint: disable=import-outside-toplevel
@@ -360,11 +371,10 @@ def solve_milp(problem: problem_lib.BudgetProblem,
             "not installed. Install it with `pip install scipy` (or memsave-grads[milp]), or use "
             "the 'greedy' or 'dp' solver.") from e
     graph = problem.graph
-    if graph.num_nodes > MILP_MAX_NODES:
-        raise errors.InvalidArgumentError(
-            f"checkpoints: the 'milp' solver takes graphs of at most {MILP_MAX_NODES} forward "
-            f"ops; this one has {graph.num_nodes}. Use the 'greedy' or 'dp' solver.")
     started = time.perf_counter()
+    if time_limit_seconds is None:
+        time_limit_seconds = (MILP_TIME_LIMIT_SECONDS if problem.deadline_seconds is None
+                              else problem.deadline_seconds)
     scorer = problem_lib.Scorer(problem)
     try:
         scorer(solve_greedy(problem).kept)
@@ -373,6 +383,8 @@ def solve_milp(problem: problem_lib.BudgetProblem,
         seed_error = e
     if scorer.best is not None and scorer.best[2] == 0:
         return scorer.plan("milp", started, optimal=True)
+    if graph.num_nodes > MILP_MAX_NODES:
+        return _without_the_milp(problem, scorer, started, time_limit_seconds, seed_error)
     model = _milp_model(problem)
     num_vars = len(model["cost"])
     upper = model["upper"].copy()
@@ -443,3 +455,22 @@ def solve_milp(problem: problem_lib.BudgetProblem,
         raise seed_error
     return scorer.plan("milp", started, optimal=proven)
 
+
+
+def _without_the_milp(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer,
+                      started: float, time_limit_seconds: float,
+                      seed_error: Exception | None) -> plan_lib.Plan:
+    """A graph too large for the MILP: the anytime DP in the time left, then the best plan
+    scored (the greedy one, or the DP's), not flagged optimal."""
+    left = time_limit_seconds - (time.perf_counter() - started)
+    _LOG.info("memsave_grads: milp: %d forward ops, more than the %d the MILP is built for; "
+                 "the best of the greedy and dp plans found in %.1f s", problem.graph.num_nodes,
+                 MILP_MAX_NODES, time_limit_seconds)
+    if left > 0:
+        try:
+            scorer(solve_dp(dataclasses.replace(problem, deadline_seconds=left)).kept)
+        except errors.InfeasibleBudgetError:
+            pass
+    if scorer.best is None:
+        raise seed_error
+    return scorer.plan("milp", started)

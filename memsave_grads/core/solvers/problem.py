@@ -4,7 +4,8 @@ One contract (design note "budget solvers"): a :class:`BudgetProblem` in (graph 
 what may or must be kept), a :class:`~memsave_grads.core.plan.Plan` out. Every solver scores
 plans with the same static models, so their answers are comparable:
 
-* **peak**: :func:`memory_model.plan_peak_bytes`, the replay of forward + backward in bytes;
+* **peak**: :func:`memory_model.plan_peak_bytes`, the replay of forward + backward in bytes
+  (computed by ``fast_replay``, which gives the same number faster);
 * **recompute cost**: the sum of :meth:`ForwardGraph.cost_of` over the nodes the rewrite
   recomputes (FLOPs from static shapes by default; seconds when calibrated from a profile with
   ``budgets.calibrated_costs``). Each node is recomputed at most once (design note "single
@@ -20,11 +21,10 @@ from typing import Iterable
 
 from memsave_grads import errors
 from memsave_grads.core import budgets
+from memsave_grads.core import fast_replay
 from memsave_grads.core import graph as graph_lib
-from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import planners
-from memsave_grads.core import schedule as schedule_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,8 @@ class BudgetProblem:
         a graph whose loops are modelled with their bodies recomputed inside (the rewrite does
         that, tf.gradients would not: design note "control flow and calls"). Fractional
         budgets are of it, and errors state it; None: the graph's plain peak.
+      deadline_seconds: how long the anytime solvers (``"dp"``, ``"milp"``) may search before
+        they answer with the best plan found; None: each solver's default.
     """
 
     graph: graph_lib.ForwardGraph
@@ -49,6 +51,7 @@ class BudgetProblem:
     candidates: frozenset | None = None
     not_replayed: frozenset = frozenset()
     plain_peak_bytes: int | None = None
+    deadline_seconds: float | None = None
 
     def __post_init__(self):
         if self.candidates is None:
@@ -63,19 +66,18 @@ class BudgetProblem:
 
 def score(problem: BudgetProblem, kept: Iterable[int]) -> tuple[frozenset, int, float]:
     """Close ``kept`` (single ownership, ``must_keep`` added) and return it with its predicted
-    peak and recompute cost."""
-    closed = graph_lib.close_segments(problem.graph, set(kept) | problem.must_keep)
-    sched = schedule_lib.build(problem.graph, closed, problem.not_replayed)
-    cost = sum(problem.graph.cost_of(v) for v in sched.recomputed_nodes())
-    peak = memory_model.replay(problem.graph, sched)[0]
-    return frozenset(closed), peak, cost
+    peak and recompute cost (the replay's, through ``fast_replay``: the same numbers, a plan
+    in a few milliseconds on thousands of ops; design note "planning cost")."""
+    closed = frozenset(graph_lib.close_segments(problem.graph, set(kept) | problem.must_keep))
+    peak, cost = fast_replay.replayer(problem.graph, problem.not_replayed).score(closed)
+    return closed, peak, cost
 
 
 def infeasible(problem: BudgetProblem, smallest_peak_bytes: int,
                solver: str) -> errors.InfeasibleBudgetError:
     """The error for a budget no plan meets, stating the smallest predicted peak reached."""
     plain_bytes = (problem.plain_peak_bytes if problem.plain_peak_bytes is not None
-                   else memory_model.plain_peak_bytes(problem.graph))
+                   else fast_replay.plain_peak_bytes(problem.graph))
     error = errors.InfeasibleBudgetError(
         f"checkpoints: the budget of {budgets.format_bytes(problem.budget_bytes)} "
         f"({problem.budget_bytes} bytes) is below the smallest peak the solver found: "
@@ -127,7 +129,6 @@ class Scorer:
         self.problem = problem
         self.max_plans = max_plans
         self.cache: dict[frozenset, tuple[frozenset, int, float]] = {}
-        self.smallest_peak = math.inf
         self.best: tuple[frozenset, int, float] | None = None
 
     def __call__(self, kept) -> tuple[frozenset, int, float]:
@@ -138,7 +139,6 @@ class Scorer:
             result = score(self.problem, key)
             self.cache[key] = result
             closed, peak, cost = result
-            self.smallest_peak = min(self.smallest_peak, peak)
             if peak <= self.problem.budget_bytes and (
                     self.best is None or (cost, peak) < (self.best[2], self.best[1])):
                 self.best = result
@@ -149,14 +149,15 @@ class Scorer:
 
     def plan(self, solver: str, started: float, optimal: bool = False) -> plan_lib.Plan:
         if self.best is None:
-            # For the error: the smallest peak known, at least that of the "memory" plan.
+            # The "memory" plan, the lowest single-level peak: the minimum the error states,
+            # the same whatever the budget (the plans scored depend on it), and a budget of
+            # it is met by that plan.
             problem = self.problem
             lowest = planners.frontier_cuts(problem.graph, problem.must_keep, problem.candidates,
                                             problem.not_replayed)
-            if lowest is not None:
-                self(lowest.kept)
-        if self.best is None:
-            raise infeasible(self.problem, int(self.smallest_peak), solver)
+            _, smallest, _ = self(lowest.kept if lowest is not None else problem.must_keep)
+            if self.best is None:
+                raise infeasible(self.problem, smallest, solver)
         kept, peak, cost = self.best
         reason = (f"the plan that recomputes least among those it scored whose predicted peak "
                   f"fits the budget{' (proven optimal in its search space)' if optimal else ''}")
