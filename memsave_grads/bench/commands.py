@@ -435,7 +435,8 @@ def fit_limit_command(args: argparse.Namespace) -> int:
            "How much larger: memsave_grads fit-limit", {
                "model": args.model, "limit_mib": args.limit_mib, "dimension": dimension,
                "reference": baseline, "tries": args.tries, "reserve_limit": args.reserve_limit,
-               "methods": [fit_limit.search_record(s, searches) for s in searches],
+               "methods": [fit_limit.search_record(s, searches, baseline)
+                           for s in searches],
                "timings": timings})
     if args.plot:
         fit_limit.plot(searches, dimension, args.limit_mib, args.plot, title)
