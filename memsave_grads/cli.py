@@ -112,13 +112,17 @@ def _sizes(text: str) -> list[int]:
     return [_positive_int(item.strip()) for item in text.split(",")]
 
 
-def _model_filter(catalogue: str) -> Callable[[str], list[str]]:
+def _model_filter(catalogue: str, with_hub: bool = False) -> Callable[[str], list[str]]:
     """A type for ``--models``: comma-separated name substrings, each matching a model of
-    ``memsave_grads.bench.models.<catalogue>()`` (names only: nothing is built)."""
+    ``memsave_grads.bench.models.<catalogue>()`` or, ``with_hub``, a keras_hub architecture of
+    ``benchmark --hub`` (names only: nothing is built)."""
     def parse(text: str) -> list[str]:
         from memsave_grads.bench import models  # pylint: disable=import-outside-toplevel
         filters = [item.strip() for item in text.split(",") if item.strip()]
         candidates = getattr(models, catalogue)()
+        if with_hub:
+            from memsave_grads.bench import hub  # pylint: disable=import-outside-toplevel
+            candidates += list(hub.ARCHITECTURES)
         unmatched = models.unmatched_filters(candidates, filters)
         if not filters or unmatched:
             names = ", ".join(spec.name for spec in candidates)
@@ -196,8 +200,9 @@ def _add_repeats(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_models(parser: argparse.ArgumentParser, default: str = "all",
-                catalogue: str = "benchmark_models") -> None:
-    parser.add_argument("--models", type=_model_filter(catalogue), default=[], metavar="NAMES",
+                catalogue: str = "benchmark_models", with_hub: bool = False) -> None:
+    parser.add_argument("--models", type=_model_filter(catalogue, with_hub), default=[],
+                        metavar="NAMES",
                         help="only the models whose name contains one of these comma-separated "
                              "substrings (case-insensitive), e.g. 'resnet,tanh' "
                              f"(default: {default})")
@@ -289,7 +294,7 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
         _add_repeats(parser)
     elif name == "benchmark":
         _add_repeats(parser)
-        _add_models(parser)
+        _add_models(parser, with_hub=True)
         _add_output(parser)
         _add_format(parser)
         parser.add_argument("--xla", choices=("with", "without", "only"), default="with",
@@ -304,6 +309,12 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
                                  "tf.gradients against 'memory', a fresh process per cell): "
                                  "with the other tables, without it, or only it "
                                  "(default: %(default)s)")
+        parser.add_argument("--hub", choices=("with", "without", "only"), default="without",
+                            help="the keras_hub table (GPT-2, Llama, Gemma, Qwen3-MoE, BERT "
+                                 "and T5 backbones from small configurations, Keras 3 fit "
+                                 "stock and under wrap_model, with and without jit_compile, a "
+                                 "fresh process per cell; needs keras-hub): with the other "
+                                 "tables, without it, or only it (default: %(default)s)")
     elif name == "scaling":
         _add_models(parser, default="all Keras networks", catalogue="keras_models")
         _add_plot(parser, "the peak-vs-depth plot")

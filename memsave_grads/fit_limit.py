@@ -665,17 +665,22 @@ def table(searches: Sequence[Search], dimension: str, limit_mib: int,
         "lrrrrrl", rows)
 
 
-def search_record(search_: Search, searches: Sequence[Search]) -> dict:
+def search_record(search_: Search, searches: Sequence[Search],
+                  baseline: str = PLAIN) -> dict:
     """One method's search as data (``--format json``): its largest size, whether that is a
-    lower bound, its ratio to the reference's (None where there is none), and every try."""
+    lower bound, its ratio to the reference's (None where there is none), and every try. The
+    reference is named ``baseline``, as the table names it (``"stock fit"`` for a Keras model),
+    so the record's ``method`` matches the JSON's ``reference``."""
     reference = next((s for s in searches if s.method == PLAIN), None)
     best, reference_best = search_.largest, reference.largest if reference else None
     ratio = (best.size / reference_best.size
              if best and reference_best and search_ is not reference else None)
-    return {"method": search_.method, "largest": best.size if best else None,
+    name = baseline if search_.method == PLAIN else search_.method
+    attempts = [dataclasses.replace(a, method=name) for a in search_.attempts]
+    return {"method": name, "largest": best.size if best else None,
             "lower_bound": search_.reached_max,
             "reference_lower_bound": bool(reference and reference.reached_max),
-            "size_ratio": ratio, "failure": search_.failure, "attempts": search_.attempts}
+            "size_ratio": ratio, "failure": search_.failure, "attempts": attempts}
 
 
 TABLE_NOTES = (

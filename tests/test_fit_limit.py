@@ -180,6 +180,24 @@ def test_fit_limit_json_has_every_try_and_the_timings(monkeypatch, capsys):
                                 "highest": 1.3}]
 
 
+def test_fit_limit_json_names_a_keras_reference_as_its_table_does(monkeypatch, capsys):
+    def fits_to_16(source, method, batch_size, *a, **k):
+        fits = batch_size <= (16 if method == fit_limit.PLAIN else 32)
+        return fit_limit.Attempt(method, batch_size, fits, peak_bytes=batch_size,
+                                 step_seconds=0.01, error="" if fits else "OOM",
+                                 out_of_memory=not fits)
+    commands, args = _command(monkeypatch, ["--limit-mib", "100", "--max", "64", "--format",
+                                            "json"], fits_to_16,
+                              {"kind": "keras", "keras": "Keras 3", "weights_bytes": 0,
+                               "optimizer_state_bytes": 0})
+    assert commands.fit_limit_command(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    plain, ours = data["methods"]
+    assert data["reference"] == plain["method"] == "stock fit"
+    assert {a["method"] for a in plain["attempts"]} == {"stock fit"}
+    assert ours["method"] == "memory" and ours["size_ratio"] == 2.0
+
+
 def test_weights_and_optimizer_state_over_the_limit_are_refused_before_any_try(monkeypatch):
     tried = []
     commands, args = _command(

@@ -26,6 +26,7 @@ from memsave_grads import keras as mg_keras
 from memsave_grads import measure
 from memsave_grads.bench import build_time as bench_build_time
 from memsave_grads.bench import control_flow as bench_control_flow
+from memsave_grads.bench import hub as bench_hub
 from memsave_grads.bench import harness
 from memsave_grads.bench import models
 from memsave_grads.bench import solvers as bench_solvers
@@ -94,24 +95,34 @@ def benchmark(args: argparse.Namespace) -> int:
     model failed unexpectedly."""
     start = time.perf_counter()
     sections, status, data = [], 0, {"repeats": args.repeats}
-    control_flow_only = args.control_flow == "only"
-    if args.xla != "only" and not control_flow_only:
+    # A table runs where its flag is "with" and none says "only", or where its flag is "only".
+    flags = {"xla": args.xla, "control_flow": args.control_flow, "hub": args.hub}
+    only = {name for name, flag in flags.items() if flag == "only"}
+    runs = {name: name in only if only else flag != "without" for name, flag in flags.items()}
+    if not only:
         results, status = _graph_benchmark(args)
         data["graph"] = results
         sections.append(harness.benchmark_table(results) + "\n\n" + harness.TABLE_NOTES)
-    if args.xla != "without" and not control_flow_only:
+    if runs["xla"]:
         results, xla_status = _xla_benchmark(args)
         data["xla"] = results
         status = max(status, xla_status)
         if results:
             sections.append("## Under XLA\n\n" + bench_xla.table(results) + "\n\n" +
                             bench_xla.TABLE_NOTES)
-    if args.control_flow != "without":
+    if runs["control_flow"]:
         results, cf_status = _control_flow_benchmark()
         data["control_flow"] = results
         status = max(status, cf_status)
         sections.append("## Control flow and calls\n\n" + bench_control_flow.table(results)
                         + "\n\n" + bench_control_flow.TABLE_NOTES)
+    if runs["hub"]:
+        results, hub_status = _hub_benchmark(args)
+        data["hub"] = results
+        status = max(status, hub_status)
+        if results:
+            sections.append("## keras_hub, with and without XLA\n\n" + bench_hub.table(results)
+                            + "\n\n" + bench_hub.TABLE_NOTES)
     _LOG.info("benchmark measured in %.1f s", time.perf_counter() - start)
     _write(args, "\n\n".join(sections), f"memsave_grads benchmark, median of {args.repeats} "
            "steps", data)
@@ -162,6 +173,20 @@ def _control_flow_benchmark() -> tuple[list, int]:
               shape.activation_mib)
     results = bench_control_flow.measure_all(shape)
     return results, int(any(r.failed for r in results))
+
+
+def _hub_benchmark(args: argparse.Namespace) -> tuple[list, int]:
+    """The results of :mod:`bench.hub` (the architectures ``--models`` names, all where it
+    names none of them), one list per architecture, and the exit status; needs keras-hub."""
+    try:
+        import keras_hub  # pylint: disable=import-outside-toplevel,unused-import
+    except ImportError as e:
+        raise CommandLineError(f"--hub needs keras_hub ({e}): pip install keras-hub") from e
+    architectures = bench_hub.select(args.models) or list(bench_hub.ARCHITECTURES)
+    _LOG.info("[keras_hub] %s, a fresh process per cell ...",
+              ", ".join(a.label for a in architectures))
+    results = bench_hub.measure_all(architectures, repeats=args.repeats)
+    return results, int(any(r.failed for rs in results for r in rs))
 
 
 def scaling(args: argparse.Namespace) -> int:
@@ -435,7 +460,8 @@ def fit_limit_command(args: argparse.Namespace) -> int:
            "How much larger: memsave_grads fit-limit", {
                "model": args.model, "limit_mib": args.limit_mib, "dimension": dimension,
                "reference": baseline, "tries": args.tries, "reserve_limit": args.reserve_limit,
-               "methods": [fit_limit.search_record(s, searches) for s in searches],
+               "methods": [fit_limit.search_record(s, searches, baseline)
+                           for s in searches],
                "timings": timings})
     if args.plot:
         fit_limit.plot(searches, dimension, args.limit_mib, args.plot, title)

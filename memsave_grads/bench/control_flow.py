@@ -27,7 +27,7 @@ from memsave_grads import api
 from memsave_grads import _child as child
 from memsave_grads import _tables as tables
 from memsave_grads import measure as measure_lib
-from memsave_grads.bench.harness import PEAK_RUNS
+from memsave_grads.bench.models import PEAK_RUNS
 from memsave_grads.patching import original_gradients
 
 #: This module's messages: a child of the ``memsave_grads`` logger.

@@ -37,7 +37,7 @@ from memsave_grads import errors
 from memsave_grads import _explain as explain_lib
 from memsave_grads import measure
 from memsave_grads import _tables as tables
-from memsave_grads.bench.models import ModelSpec
+from memsave_grads.bench.models import PEAK_RUNS, ModelSpec
 from memsave_grads.core import budgets
 from memsave_grads.core import calibration as core_calibration
 from memsave_grads.patching import original_gradients
@@ -176,9 +176,6 @@ def _short_reason(error: Exception, limit: int = 90) -> str:
     first = text.split(". ")[0]
     return first if len(first) <= limit else first[:limit - 3] + "..."
 
-
-#: Steps whose peaks are measured; the median is reported.
-PEAK_RUNS = 3
 
 #: A method that raises one of these is reported as n/a for that model, not as a failure.
 _NOT_APPLICABLE = errors.FALLBACK_ERRORS + (errors.InfeasibleBudgetError,)

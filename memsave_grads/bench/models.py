@@ -22,6 +22,9 @@ if TYPE_CHECKING:  # annotations only: importing TensorFlow here would defeat th
 SOLVER_FRACTIONS = (0.75, 0.6, 0.5, 0.4, 0.35)
 
 
+#: Steps whose peaks every benchmark measures (after a warm-up step); the median is reported.
+PEAK_RUNS = 3
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """A named model: ``build()`` is called inside a fresh graph and returns (loss, variables)."""

@@ -34,7 +34,7 @@ from memsave_grads import api
 from memsave_grads import measure as measure_lib
 from memsave_grads import _child as child
 from memsave_grads import _tables as tables
-from memsave_grads.bench.harness import PEAK_RUNS
+from memsave_grads.bench.models import PEAK_RUNS
 from memsave_grads.bench.models import XlaSpec
 from memsave_grads.patching import original_gradients
 
