@@ -13,6 +13,15 @@ KERAS = {"keras2": tf_keras, "keras3": keras3}
 FLAVOURS = pytest.mark.parametrize("flavour", ["keras2", "keras3"])
 
 
+def one_flavour_by_default(default: str):
+    """Like ``FLAVOURS`` for a model-scale check: both Keras versions under ``-m slow``, only
+    ``default`` in the default suite. Give the checks of one kind different defaults, so that
+    the default suite still runs each kind and each version."""
+    return pytest.mark.parametrize("flavour", [
+        flavour if flavour == default else pytest.param(flavour, marks=pytest.mark.slow)
+        for flavour in KERAS])
+
+
 def clear_session(keras) -> None:
     if keras is keras3:
         keras.backend.clear_session(free_memory=False)  # its gc.collect() costs 0.2 s a call

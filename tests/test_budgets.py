@@ -131,15 +131,20 @@ def test_every_infeasible_budget_states_the_same_minimum(solver):
     assert solvers.solve(problem.with_budget(minimum), solver).predicted_peak_bytes <= minimum
 
 
-def test_every_infeasible_budget_of_a_network_states_the_same_minimum():
-    """The same through gradients() on a residual MLP (before: 'budget:9%' said 96 KiB and
-    'budget:6%' 200 KiB, while 'budget:8%' was met)."""
+@pytest.mark.parametrize("blocks, percents", [
+    # Met down to 11%; the smallest peak is 10.3% of plain tf.gradients' (measured).
+    pytest.param(32, (11, 10, 6, 1), id="32_blocks"),
+    # The network of the report; each plan of it costs 10-30 s on a busy 2-core machine.
+    pytest.param(64, (9, 8, 6, 1), id="64_blocks", marks=pytest.mark.slow)])
+def test_every_infeasible_budget_of_a_network_states_the_same_minimum(blocks, percents):
+    """The same through gradients() on a residual MLP (before, with 64 blocks: 'budget:9%' said
+    96 KiB and 'budget:6%' 200 KiB, while 'budget:8%' was met)."""
     minimums, met = set(), []
-    for percent in (9, 8, 6, 1):
+    for percent in percents:
         with tf.Graph().as_default():
             x = tf.constant(np.random.RandomState(0).randn(32, 64).astype(np.float32))
             weights = [tf.constant(np.random.RandomState(i).randn(64, 64).astype(np.float32))
-                       for i in range(1, 65)]
+                       for i in range(1, blocks + 1)]
             loss = tf.reduce_sum(residual_tanh_mlp(x, weights) ** 2)
             try:
                 mg.gradients(loss, weights, checkpoints=f"budget:{percent}%", fallback="error")
@@ -152,7 +157,7 @@ def test_every_infeasible_budget_of_a_network_states_the_same_minimum():
     with tf.Graph().as_default():
         x = tf.constant(np.random.RandomState(0).randn(32, 64).astype(np.float32))
         weights = [tf.constant(np.random.RandomState(i).randn(64, 64).astype(np.float32))
-                   for i in range(1, 65)]
+                   for i in range(1, blocks + 1)]
         loss = tf.reduce_sum(residual_tanh_mlp(x, weights) ** 2)
         report = mg.explain(loss, weights, checkpoints=mg.Budget(bytes=minimum))
         assert report.predicted_peak_bytes <= minimum
@@ -176,9 +181,18 @@ def test_tradeoff_is_a_pareto_front():
     assert costs[-1] == 0  # the roomiest budget: plain tf.gradients
 
 
-@pytest.fixture(scope="module")
-def small_graph_rows():
-    return bench_solvers.compare(fractions=(0.6, 0.45))
+#: The comparison's budgets (fractions of tf.gradients' peak). Most of its time is milp's:
+#: about 100 s for both budgets, half of it the residual MLP's two rows, where milp searches to
+#: its 30 s deadline without a proof. The default suite compares at the first budget (all four
+#: graphs, the same assertions); the slow one at both.
+COMPARED_FRACTIONS = (0.6, 0.45)
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(COMPARED_FRACTIONS[:1], id="one_budget"),
+    pytest.param(COMPARED_FRACTIONS, id="both_budgets", marks=pytest.mark.slow)])
+def small_graph_rows(request):
+    return bench_solvers.compare(fractions=request.param)
 
 
 def test_greedy_is_near_the_exact_solvers(small_graph_rows):

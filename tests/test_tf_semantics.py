@@ -8,6 +8,11 @@ and is compared with unpatched ``tf.gradients``. The modes change global TensorF
 one test per (scenario, mode, container, strategy) reads its result, and the counts (rewrote,
 fell back, failed) are printed at the end of the module and written to ``summary.txt`` in the
 module's temporary folder. ``python tests/tf_semantics_cases.py`` prints the same table.
+
+The default suite runs a third of the sweep (``cases.representative_runs``): every scenario in
+every mode and container, one strategy each, rotated so that every (mode, container) meets
+every strategy. The rest is marked ``slow``; the whole sweep is
+``python -m pytest -m "slow or not slow" tests/test_tf_semantics.py``.
 """
 
 import pytest
@@ -19,6 +24,7 @@ import tf_semantics_cases as cases
 MODES_TIMEOUT_S = 600
 
 RUN_IDS = cases.planned_runs()
+REPRESENTATIVE_RUN_IDS = frozenset(cases.representative_runs())
 
 
 def _mode_of(run: str) -> str:
@@ -37,25 +43,26 @@ class _Results:
         return f"<{len(self.records)} parity records>"
 
 
-def _selection(session) -> tuple[list | None, tuple]:
-    """(scenarios, modes) the selected tests need: all of them unless ``-k`` picked some runs
-    (each mode process costs seconds of TensorFlow start-up alone)."""
+def _selection(session) -> tuple[list, tuple]:
+    """(run ids, modes) the selected tests need: the runs ``-k`` and ``-m`` left, and the
+    default suite's runs where the rewrite count is selected (each mode process costs seconds
+    of TensorFlow start-up alone)."""
     runs = {item.callspec.params["run"] for item in session.items
             if item.module.__name__ == __name__ and hasattr(item, "callspec")
             and "run" in item.callspec.params}
-    whole = any(item.name == "test_every_mode_and_strategy_really_rewrites"
-                for item in session.items if item.module.__name__ == __name__)
-    if whole or not runs:
-        return None, cases.MODES
-    return (sorted({run.split("-")[0] for run in runs}),
+    if any(item.name == "test_every_mode_and_strategy_really_rewrites"
+           for item in session.items if item.module.__name__ == __name__):
+        runs |= REPRESENTATIVE_RUN_IDS
+    return (sorted(runs),
             tuple(mode for mode in cases.MODES if any(_mode_of(r) == mode for r in runs)))
 
 
 @pytest.fixture(scope="module")
 def semantics_results(tmp_path_factory, request):
     out_dir = tmp_path_factory.mktemp("tf_semantics")
-    only, modes = _selection(request.session)
-    records, status = cases.collect(str(out_dir), cases.launch_modes(str(out_dir), only, modes),
+    runs, modes = _selection(request.session)
+    records, status = cases.collect(str(out_dir),
+                                    cases.launch_modes(str(out_dir), modes=modes, runs=runs),
                                     MODES_TIMEOUT_S)
     summary = cases.summary_table(records)
     (out_dir / "summary.txt").write_text(summary + "\n\n" + cases.failures_text(records) + "\n")
@@ -68,7 +75,9 @@ def semantics_results(tmp_path_factory, request):
             reporter.write_line(summary)
 
 
-@pytest.mark.parametrize("run", RUN_IDS)
+@pytest.mark.parametrize("run", [run if run in REPRESENTATIVE_RUN_IDS
+                                 else pytest.param(run, marks=pytest.mark.slow)
+                                 for run in RUN_IDS])
 def test_matches_tf_gradients(semantics_results, run):
     record = semantics_results.records.get(run)
     if record is None:
@@ -81,9 +90,26 @@ def test_matches_tf_gradients(semantics_results, run):
         + "\n  ".join(record["problems"]))
 
 
+def test_the_default_share_covers_each_pair():
+    """The default suite's runs (``cases.representative_runs``) leave out no scenario, (mode,
+    container) or strategy: every scenario in each mode and container it runs in, every
+    (mode, container) under every strategy, and every strategy on every scenario that runs in
+    three containers or more."""
+    planned = [r.split("-") for r in RUN_IDS]
+    chosen = [r.split("-") for r in REPRESENTATIVE_RUN_IDS]
+    assert REPRESENTATIVE_RUN_IDS < set(RUN_IDS)
+    assert {(s, m, c) for s, m, c, _ in chosen} == {(s, m, c) for s, m, c, _ in planned}
+    assert len(chosen) == len({(s, m, c) for s, m, c, _ in planned})   # one strategy each
+    assert {(m, c, k) for _, m, c, k in chosen} == {(m, c, k) for _, m, c, k in planned}
+    for sc in cases.SCENARIOS.values():
+        if len(sc.runs()) >= len(cases.STRATEGIES):
+            assert {k for s, _, _, k in chosen if s == sc.name} == set(cases.STRATEGIES), sc.name
+
+
 def test_every_mode_and_strategy_really_rewrites(semantics_results):
     """The suite is only evidence if the patched calls rewrote graphs: in every (mode,
-    container, strategy) most runs copied forward ops for recomputation."""
+    container, strategy) most runs copied forward ops for recomputation (the default suite's
+    runs, and every run the selection added)."""
     groups = {}
     for r in semantics_results.records.values():
         groups.setdefault((r["mode"], r["container"], r["strategy"]), []).append(r)

@@ -21,6 +21,7 @@ Modes change global TensorFlow state, so each runs in its own process::
 
     python tests/tf_semantics_cases.py --mode v1 --out results.jsonl   # one mode, JSON lines
     python tests/tf_semantics_cases.py                                 # all modes + counts
+    python tests/tf_semantics_cases.py --representative                # the default suite's
 
 Modes: ``tf2`` (a ``tf.Graph`` + Session, and inside ``tf.function``), ``v1``
 (``disable_v2_behavior``: reference variables, TF1 control flow) and ``v1_cfv2`` (the same with
@@ -113,6 +114,23 @@ def planned_runs() -> list[str]:
     return [run_id(s.name, mode, container, strategy)
             for s in SCENARIOS.values() for mode, container in s.runs()
             for strategy in STRATEGIES]
+
+
+#: Where each (mode, container) starts the strategy rotation of :func:`representative_runs`:
+#: a scenario that runs in tf2's graph and function containers and in v1 meets every strategy.
+_ROTATION_START = {("tf2", "graph"): 0, ("tf2", "function"): 1, ("v1", "graph"): 2,
+                   ("v1_cfv2", "graph"): 1}
+
+
+def representative_runs() -> list[str]:
+    """The default suite's share of the sweep: one strategy per (scenario, mode, container),
+    rotated, so that every scenario runs in every mode and container it has, every (mode,
+    container) under every strategy, and a scenario of three containers under all three
+    strategies (each pair covered, not the product; the whole sweep is marked slow)."""
+    strategies = list(STRATEGIES)
+    return [run_id(s.name, mode, container,
+                   strategies[(index + _ROTATION_START[mode, container]) % len(strategies)])
+            for index, s in enumerate(SCENARIOS.values()) for mode, container in s.runs()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -1244,12 +1262,12 @@ def _patched(checkpoints):
     return mg.patch(checkpoints=checkpoints, fallback="warn")
 
 
-def _graph_phase(selected: list, mode: str, call_log: CallLog):
+def _graph_phase(selected: list, mode: str, call_log: CallLog, wanted: Callable):
     """Yields (scenario, outcomes, values, run errors, build error) per scenario.
 
     Every scenario's graph and reference are built first, then each strategy is applied to all
-    graphs under one patch() (each patch() scans sys.modules, 0.05-0.2 s), then each graph is
-    evaluated once.
+    graphs that want it (``wanted(scenario, strategy)``) under one patch() (each patch() scans
+    sys.modules, 0.05-0.2 s), then each graph is evaluated once.
     """
     prepared = {}
     for sc in selected:
@@ -1264,9 +1282,11 @@ def _graph_phase(selected: list, mode: str, call_log: CallLog):
             outcomes = {"reference": _build_gradients(compute, call_log)}
         prepared[sc.name] = (sc, graph, compute, outcomes, None)
     for checkpoints_key, checkpoints in STRATEGIES.items():
+        if not any(wanted(sc, checkpoints_key) for sc in selected):
+            continue
         with _patched(checkpoints):
             for sc, graph, compute, outcomes, build_error in prepared.values():
-                if build_error is None:
+                if build_error is None and wanted(sc, checkpoints_key):
                     with graph.as_default():
                         outcomes[checkpoints_key] = _build_gradients(compute, call_log)
     for sc, graph, _, outcomes, build_error in prepared.values():
@@ -1300,7 +1320,7 @@ def _trace_and_run(sc: Scenario, mode: str, call_log: CallLog, variables: dict, 
     return outcome, _assign_values({key: outcome}, layout, flat).get(key), None
 
 
-def _function_phase(selected: list, mode: str, call_log: CallLog):
+def _function_phase(selected: list, mode: str, call_log: CallLog, wanted: Callable):
     """Yields as _graph_phase does. Each (scenario, strategy) is its own tf.function (a traced
     function cannot be extended later), so random ops carry op seeds; variables are created
     once per scenario, outside the functions, and shared."""
@@ -1326,9 +1346,12 @@ def _function_phase(selected: list, mode: str, call_log: CallLog):
     for sc in selected:
         one(sc, "reference")
     for key, checkpoints in STRATEGIES.items():
+        if not any(wanted(sc, key) for sc in selected):
+            continue
         with _patched(checkpoints):
             for sc in selected:
-                one(sc, key)
+                if wanted(sc, key):
+                    one(sc, key)
     for sc, outcomes, values, run_errors, build_error in results.values():
         yield sc, outcomes, values, run_errors, build_error
 
@@ -1422,8 +1445,8 @@ def compare(sc: Scenario, mode: str, reference: Outcome, ours: Outcome,
 
 
 def _records(sc: Scenario, mode: str, container: str, outcomes, values, run_errors,
-             build_error) -> list[dict]:
-    """One record per strategy of one scenario in one mode and container."""
+             build_error, strategies) -> list[dict]:
+    """One record per strategy asked of one scenario in one mode and container."""
     base = {"scenario": sc.name, "mode": mode, "container": container}
     if build_error is not None:
         return [dict(base, id=run_id(sc.name, mode, container, s), strategy=s,
@@ -1432,10 +1455,10 @@ def _records(sc: Scenario, mode: str, container: str, outcomes, values, run_erro
                      problems=[f"the scenario failed to build: {build_error['type']}: "
                                f"{build_error['message']} [{build_error['where'].strip()}]"],
                      build_seconds=0.0)
-                for s in STRATEGIES]
+                for s in strategies]
     records = []
     reference = outcomes["reference"]
-    for strategy in STRATEGIES:
+    for strategy in strategies:
         ours = outcomes.get(strategy)
         if ours is None:  # the forward pass traced for the reference, not for this strategy
             ours = Outcome(error={"type": "NotRun", "mro": [], "message": "not traced",
@@ -1454,9 +1477,11 @@ def _records(sc: Scenario, mode: str, container: str, outcomes, values, run_erro
     return records
 
 
-def run_mode(mode: str, out_path: str, only: list[str] | None = None) -> None:
-    """Run every scenario of ``mode``; one JSON line per record, flushed per scenario so that a
-    crash loses only what was not evaluated yet."""
+def run_mode(mode: str, out_path: str, only: list[str] | None = None,
+             runs: set[str] | None = None) -> None:
+    """Run every scenario of ``mode`` (``only``: these scenarios; ``runs``: only these run ids);
+    one JSON line per record, flushed per scenario so that a crash loses only what was not
+    evaluated yet."""
     from memsave_grads._tf import selection  # pylint: disable=import-outside-toplevel
     set_up_mode(mode)
     # The scenarios are small: the never-worse rule would hand most of them to plain
@@ -1469,11 +1494,17 @@ def run_mode(mode: str, out_path: str, only: list[str] | None = None) -> None:
     phases = {"graph": _graph_phase, "function": _function_phase}
     with open(out_path, "w", encoding="utf-8") as out:
         for container, phase in phases.items():
-            selected = [sc for sc in SCENARIOS.values()
-                        if (mode, container) in sc.runs() and (not only or sc.name in only)]
-            for sc, outcomes, values, run_errors, build_error in phase(selected, mode, call_log):
+            def wanted(sc, strategy, container=container):
+                return ((not only or sc.name in only)
+                        and (runs is None or run_id(sc.name, mode, container, strategy) in runs))
+
+            selected = [sc for sc in SCENARIOS.values() if (mode, container) in sc.runs()
+                        and any(wanted(sc, strategy) for strategy in STRATEGIES)]
+            for sc, outcomes, values, run_errors, build_error in phase(selected, mode, call_log,
+                                                                        wanted):
+                strategies = [strategy for strategy in STRATEGIES if wanted(sc, strategy)]
                 for record in _records(sc, mode, container, outcomes, values, run_errors,
-                                       build_error):
+                                       build_error, strategies):
                     out.write(json.dumps(record) + "\n")
                 out.flush()
 
@@ -1483,15 +1514,23 @@ def run_mode(mode: str, out_path: str, only: list[str] | None = None) -> None:
 
 
 def launch_modes(out_dir: str, only: list[str] | None = None,
-                 modes: tuple = MODES) -> dict[str, subprocess.Popen]:
-    """Start one process per mode (they run concurrently)."""
+                 modes: tuple = MODES, runs: list[str] | None = None
+                 ) -> dict[str, subprocess.Popen]:
+    """Start one process per mode (they run concurrently); ``runs``: only these run ids."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    runs_path = None
+    if runs is not None:
+        runs_path = os.path.join(out_dir, "runs.txt")
+        with open(runs_path, "w", encoding="utf-8") as f:
+            f.write("\n".join(runs) + "\n")
     procs = {}
     for mode in modes:
         command = [sys.executable, os.path.abspath(__file__), "--mode", mode,
                    "--out", os.path.join(out_dir, f"{mode}.jsonl")]
         if only:
             command += ["--only", ",".join(only)]
+        if runs_path is not None:
+            command += ["--runs", runs_path]
         procs[mode] = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -1574,19 +1613,28 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", choices=MODES, help="run one mode in this process")
     parser.add_argument("--out", help="JSON lines output (with --mode)")
     parser.add_argument("--only", help="comma-separated scenario names")
+    parser.add_argument("--runs", help="a file of run ids, one a line: only these")
+    parser.add_argument("--representative", action="store_true",
+                        help="only the default suite's runs (one strategy per scenario, mode "
+                             "and container, rotated)")
     parser.add_argument("--failures", action="store_true", help="list every failing run")
     parser.add_argument("--keep", help="keep the JSON lines of every mode in this folder")
     args = parser.parse_args(argv)
     only = args.only.split(",") if args.only else None
+    runs = representative_runs() if args.representative else None
+    if args.runs:
+        with open(args.runs, encoding="utf-8") as f:
+            runs = [line.strip() for line in f if line.strip()]
     if args.mode:
-        run_mode(args.mode, args.out, only)
+        run_mode(args.mode, args.out, only, None if runs is None else set(runs))
         return 0
     import tempfile  # pylint: disable=import-outside-toplevel
     with tempfile.TemporaryDirectory() as temporary_dir:
         out_dir = args.keep or temporary_dir
         os.makedirs(out_dir, exist_ok=True)
         start = time.perf_counter()
-        records, status = collect(out_dir, launch_modes(out_dir, only), timeout_s=900)
+        records, status = collect(out_dir, launch_modes(out_dir, only, runs=runs),
+                                  timeout_s=900)
         elapsed = time.perf_counter() - start
     for mode, (code, output) in status.items():
         if code != 0:
