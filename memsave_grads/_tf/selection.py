@@ -25,8 +25,6 @@ from memsave_grads import errors
 from memsave_grads.core.checkpoints import ParsedCheckpoints
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
-from memsave_grads.core import op_types
-from memsave_grads.core import xla_fusion
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import policies
 from memsave_grads.core import solvers
@@ -53,9 +51,6 @@ class SelectionContext:
     #: op -> ``loops.LoopPlan``): the model counts what they store so; the rewrite replaces
     #: their bodies before it runs.
     recomputed_loops: dict = dataclasses.field(default_factory=dict)
-    #: XLA compiles the step (``ordering.xla_in_effect``): the models are XLA's, elementwise
-    #: ops fused into their readers (``core.xla_fusion``; design note "memory under XLA").
-    xla: bool = False
     _model: graph_lib.ForwardGraph | None = None
     _plain_model: graph_lib.ForwardGraph | None = None
     _workspace: list[int] | None = None
@@ -67,9 +62,6 @@ class SelectionContext:
             model = tf_graph.to_forward_graph(
                 self.region, self.xs, self.ys, self.gradients_held,
                 function_facts=function_ops.gradient_facts)
-            if self.xla:
-                model = xla_fusion.fused_model(
-                    model, [op_types.fused_under_xla(op.type) for op in self.region])
             self._plain_model = model
             exposed = [_exposed_bytes(op) if op not in self.must_keep else 0
                        for op in self.region]

@@ -53,10 +53,6 @@ class ForwardGraph:
       exposed_bytes: bytes a stateful cond or call outputs in addition where a plan replays it
         (its random draws, or the cheapest values computed from them alone), held from the
         forward pass until the level that recomputes it; empty means none.
-      fused: XLA computes the node inside its consumers' fusions (an elementwise op under
-        ``jit_compile``): set, with the flags it implies, by ``core.xla_fusion.fused_model``
-        where XLA is in effect, and recorded here so that the model (and a plan's key) says
-        which compilation it describes; empty means none.
       gradients_held: the variables' gradients (``param_bytes``) stay alive until the backward
         pass ends, because an optimizer applies them together (Keras ``fit`` sums them in one
         op first); False: each is used up at its node's backward step, as v1 optimizers'
@@ -79,7 +75,6 @@ class ForwardGraph:
     no_gradient: tuple[bool, ...] = ()
     internal_saved_bytes: tuple[int, ...] = ()
     exposed_bytes: tuple[int, ...] = ()
-    fused: tuple[bool, ...] = ()
     gradients_held: bool = False
 
     def __post_init__(self):
@@ -88,7 +83,7 @@ class ForwardGraph:
             raise ValueError("ForwardGraph fields must all have one entry per node")
         for name in ("names", "expensive", "grad_reads_inputs", "grad_reads_output",
                      "param_bytes", "views", "costs", "unread_inputs", "forwards", "no_gradient",
-                     "internal_saved_bytes", "exposed_bytes", "fused"):
+                     "internal_saved_bytes", "exposed_bytes"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise ValueError(f"ForwardGraph.{name} must be empty or have one entry per node")
         for node, preds in enumerate(self.inputs):

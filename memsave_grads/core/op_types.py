@@ -121,22 +121,6 @@ FORWARDS_INPUT_BUFFER_OP_TYPES = frozenset({
 })
 
 
-#: Op types XLA fuses into their consumers' kernels (elementwise ops, casts, selects): under
-#: ``jit_compile`` their outputs are not buffers of their own, and where a later step reads one,
-#: XLA recomputes it there from its inputs, which it keeps instead (docs/design.md, note
-#: "memory under XLA"; ``core.xla_fusion``). Not softmax: it reduces, and XLA materializes it.
-XLA_FUSED_OP_TYPES = (FORWARDS_INPUT_BUFFER_OP_TYPES - {"Softmax", "LogSoftmax"}) | frozenset({
-    "Cast", "Select", "SelectV2", "Pow", "Cos", "Sin", "Floor", "Ceil", "Round", "Log1p",
-    "Expm1", "ClipByValue",
-})
-
-
-def fused_under_xla(op_type: str) -> bool:
-    """Whether XLA computes an op of this type inside its consumers' fusions
-    (:data:`XLA_FUSED_OP_TYPES`)."""
-    return op_type in XLA_FUSED_OP_TYPES
-
-
 def forwards_input_buffer(op_type: str) -> bool:
     """Whether the kernel may take over an input's buffer
     (:data:`FORWARDS_INPUT_BUFFER_OP_TYPES`)."""
