@@ -24,6 +24,8 @@ from typing import Iterable, Sequence
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
+from memsave_grads.core import op_types
+
 #: This module's messages: a child of the ``memsave_grads`` logger.
 _LOG = logging.getLogger(__name__)
 
@@ -93,6 +95,19 @@ def can_wait(t: tf.Tensor) -> bool:
     compile-time constants (``Mean``'s axes, ``Reshape``'s shape), which a value computed from
     the gradient is not. Not bools, resources, variants or strings either."""
     return t.dtype.is_floating or t.dtype.is_complex
+
+
+def is_variable_value(t: tf.Tensor) -> bool:
+    """Whether ``t`` is a variable's value or a constant, as read (``ReadVariableOp``,
+    ``Const``), through views and casts (a mixed-precision weight): what a recomputed op reads
+    that the forward pass does not produce."""
+    while t.op.type in _PASSES_VALUE_ON and t.op.inputs:
+        t = t.op.inputs[t.value_index if t.op.type == "IdentityN" else 0]
+    return t.op.type in op_types.VARIABLE_READ_OP_TYPES or t.op.type == "Const"
+
+
+#: What :func:`is_variable_value` looks through: views of a value, and casts.
+_PASSES_VALUE_ON = op_types.VALUE_VIEW_OP_TYPES | {"Cast"}
 
 
 def after(t: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:

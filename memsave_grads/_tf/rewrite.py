@@ -174,16 +174,25 @@ def record_on_tapes(op: tf.Operation) -> None:
 def _wait_for_arrival(op: tf.Operation, inputs: list, arrival: tf.Tensor, waiting: dict,
                       graph: tf.Graph) -> list:
     """The inputs of a root copy (one that reads no other copy), one of them made to wait for
-    the gradient's arrival: the smallest floating one, whichever it is (an activation or a
-    weight), since the wait costs a copy of it where XLA cannot fuse the subtraction into the
-    consumer. Everything downstream of the root then waits too, and the copy differs from its
-    original, so XLA cannot merge them."""
+    the gradient's arrival (design note "ordering under XLA"): the largest activation, i.e.
+    floating input that is not a variable's value (``ordering.is_variable_value``), or, where
+    every floating input is one, the smallest of them. Everything downstream of the root then
+    waits too, and the copy differs from its original, so XLA cannot merge them. Not a weight
+    where an activation is there: XLA schedules what depends on the forward pass alone as early
+    as it can, so an activation that does not wait has its own transforms (the layout copy a
+    convolution's filter gradient reads) made during the forward pass and held until the
+    backward pass (design note "memory under XLA"); a weight's wait would also copy the weight
+    where XLA cannot fuse the subtraction into its reader."""
     candidates = [i for i, t in enumerate(inputs) if ordering.can_wait(t)]
     if not candidates:
         if inputs:
             ordering.warn_unordered(f"a recomputed {op.type} op", inputs)
         return inputs
-    chosen = min(candidates, key=lambda i: _elements(inputs[i]))
+    activations = [i for i in candidates if not ordering.is_variable_value(inputs[i])]
+    if activations:
+        chosen = max(activations, key=lambda i: _elements(inputs[i]))
+    else:
+        chosen = min(candidates, key=lambda i: _elements(inputs[i]))
     t = inputs[chosen]
     if t.ref() not in waiting:
         with graph.as_default(), (
