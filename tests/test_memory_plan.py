@@ -38,9 +38,11 @@ def test_never_a_higher_peak_nor_more_recomputation_than_the_cuts(g):
     assert plan.planner == "memory"
 
 
-def test_recomputes_less_at_the_same_peak_on_matmul_chains():
+def test_recomputes_less_at_the_same_peak_on_matmul_chains(monkeypatch):
     """matmul -> tanh pairs whose gradients read as TensorFlow's do: the cut plan recomputes
-    every segment but the top one; keeping matmul outputs where the peak allows costs no peak."""
+    every segment but the top one; keeping matmul outputs where the peak allows costs no peak.
+    (The single-level steps only: nested levels are the next test's.)"""
+    monkeypatch.setattr(solvers, "NESTED_PEAK_FACTOR", 0.0)
     problem = matmul_tanh_problem(60, gradient_reads=True)
     g, candidates = problem.graph, problem.candidates
     cut = planners.frontier_cuts(g, [], candidates)
@@ -49,6 +51,21 @@ def test_recomputes_less_at_the_same_peak_on_matmul_chains():
     assert plan.predicted_peak_bytes <= cut_peak < memory_model.plain_peak_bytes(g)
     assert plan.recompute_cost < cut_cost
     assert "recomputes least" in plan.reason
+
+
+def test_nested_levels_where_they_predict_clearly_less_for_one_forward_pass():
+    """Design note "nested by default": on this chain a nested plan predicts at most 0.9x the
+    single-level peak and recomputes no more than one forward pass, so "memory" plans it; the
+    replay of the plan agrees with what the plan says."""
+    problem = matmul_tanh_problem(60, gradient_reads=True)
+    g, candidates = problem.graph, problem.candidates
+    cut = planners.frontier_cuts(g, [], candidates)
+    plan = solvers.memory_plan(g, [], candidates)
+    assert plan.levels > 1 and plan.planner == "memory"
+    assert plan.predicted_peak_bytes <= solvers.NESTED_PEAK_FACTOR * cut.predicted_peak_bytes
+    assert plan.recompute_cost <= g.forward_cost()
+    assert memory_model.plan_peak_and_cost(g, plan) == (plan.predicted_peak_bytes,
+                                                        plan.recompute_cost)
 
 
 def test_the_same_graph_always_gets_the_same_plan(monkeypatch):
