@@ -1,9 +1,12 @@
 """The "memory" strategy's two steps (design note "frontier cuts", step 6): the lowest peak of
 the frontier cuts, then the plan that recomputes least at that peak."""
 
+import math
+
 from hypothesis import given, settings
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import memsave_grads as mg
@@ -12,6 +15,7 @@ from memsave_grads.core import planners
 from memsave_grads.core import solvers
 from memsave_grads.core.solvers import problem as problem_lib
 from strategies import dags, matmul_tanh_problem
+import tf_builders
 
 
 def _score(graph, kept):
@@ -34,9 +38,11 @@ def test_never_a_higher_peak_nor_more_recomputation_than_the_cuts(g):
     assert plan.planner == "memory"
 
 
-def test_recomputes_less_at_the_same_peak_on_matmul_chains():
+def test_recomputes_less_at_the_same_peak_on_matmul_chains(monkeypatch):
     """matmul -> tanh pairs whose gradients read as TensorFlow's do: the cut plan recomputes
-    every segment but the top one; keeping matmul outputs where the peak allows costs no peak."""
+    every segment but the top one; keeping matmul outputs where the peak allows costs no peak.
+    (The single-level steps only: nested levels are the next test's.)"""
+    monkeypatch.setattr(solvers, "NESTED_PEAK_FACTOR", 0.0)
     problem = matmul_tanh_problem(60, gradient_reads=True)
     g, candidates = problem.graph, problem.candidates
     cut = planners.frontier_cuts(g, [], candidates)
@@ -45,6 +51,21 @@ def test_recomputes_less_at_the_same_peak_on_matmul_chains():
     assert plan.predicted_peak_bytes <= cut_peak < memory_model.plain_peak_bytes(g)
     assert plan.recompute_cost < cut_cost
     assert "recomputes least" in plan.reason
+
+
+def test_nested_levels_where_they_predict_clearly_less_for_one_forward_pass():
+    """Design note "nested by default": on this chain a nested plan predicts at most 0.9x the
+    single-level peak and recomputes no more than one forward pass, so "memory" plans it; the
+    replay of the plan agrees with what the plan says."""
+    problem = matmul_tanh_problem(60, gradient_reads=True)
+    g, candidates = problem.graph, problem.candidates
+    cut = planners.frontier_cuts(g, [], candidates)
+    plan = solvers.memory_plan(g, [], candidates)
+    assert plan.levels > 1 and plan.planner == "memory"
+    assert plan.predicted_peak_bytes <= solvers.NESTED_PEAK_FACTOR * cut.predicted_peak_bytes
+    assert plan.recompute_cost <= g.forward_cost()
+    assert memory_model.plan_peak_and_cost(g, plan) == (plan.predicted_peak_bytes,
+                                                        plan.recompute_cost)
 
 
 def test_the_same_graph_always_gets_the_same_plan(monkeypatch):
@@ -113,3 +134,26 @@ def test_a_step_traced_again_is_not_planned_again(monkeypatch):
         assert len(planned) == count, (depth, batch, checkpoints)
     traced(12, 16, "budget:50%")  # made before: not again
     assert len(planned) == 6
+
+
+@pytest.mark.parametrize("blocks", [16, 64, 144])
+def test_a_residual_chain_is_planned_at_the_single_level_bound(blocks):
+    """Issue 36, item 3: on a chain of N residual blocks, "memory" predicts within 1.1x of the
+    single-level bound, 2 sqrt(N) activations plus the working set (design note "tapered
+    cuts"). A block retains two activations for its backward pass (its input and its tanh);
+    the working set is what plain tf.gradients holds beyond those, the same for every plan.
+    Evenly spaced cuts stay above the bound by a growing factor (1.13x, 1.21x, 1.26x here)."""
+    width, batch = 256, 64
+    activation_bytes = width * batch * 4
+    with tf.Graph().as_default():
+        h = tf.random.normal([batch, width], seed=1)
+        weights = [tf.Variable(tf.random.normal([width, width], stddev=0.05, seed=i))
+                   for i in range(blocks)]
+        loss = tf.reduce_sum(tf_builders.residual_tanh_mlp(h, weights) ** 2)
+        report = mg.explain(loss, weights, checkpoints="memory")
+    working_set_bytes = report.predicted_plain_peak_bytes - 2 * blocks * activation_bytes
+    bound_bytes = 2 * math.sqrt(blocks) * activation_bytes + working_set_bytes
+    assert working_set_bytes > 0
+    assert report.predicted_peak_bytes <= 1.1 * bound_bytes, (
+        report.predicted_peak_bytes / bound_bytes, report.plan_reason)
+    assert report.recompute_fraction <= 1.0   # one extra forward pass at most

@@ -7,6 +7,8 @@ returns a :class:`~memsave_grads.core.plan.Plan`. Planners never touch TensorFlo
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 from typing import Iterable, Sequence
 
@@ -15,6 +17,7 @@ import numpy as np
 from memsave_grads.core import budgets
 from memsave_grads.core import fast_replay
 from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
 
 #: This module's messages: a child of the ``memsave_grads`` logger.
@@ -38,21 +41,28 @@ CAP_GRID_POINTS = 24
 SIMULATED_PLANS = 6
 
 
-def _greedy_cuts(graph, uses, ends_at, allowed, cap_bytes: int) -> list[int]:
+def _greedy_cuts(graph, uses, ends_at, allowed, cap_bytes: int,
+                 segment_bytes: Sequence[int], tapered: bool = False) -> list[int]:
     """Chen et al.'s budget walk on the live frontier.
 
-    Walk the topological order accumulating the bytes a segment would recompute; before they
-    pass ``cap_bytes``, cut at the position (in the second half of the window, if any allows a
-    cut) whose frontier adds the fewest bytes to what the previous cut keeps; the later position
-    wins ties, an expensive op's output wins near-ties.
+    Walk the topological order accumulating ``segment_bytes`` of the nodes a segment would
+    recompute; before they pass the cap, cut at the position (in the second half of the window,
+    if any allows a cut) whose frontier adds the fewest bytes to what the previous cut keeps;
+    the later position wins ties, an expensive op's output wins near-ties.
+
+    The cap is ``cap_bytes`` for every segment, or, ``tapered``, ``cap_bytes`` less the bytes
+    the cuts before the segment keep: those are held while the segment is replayed, so a
+    segment near the inputs may be longer than one near the ``ys`` (see design note "tapered
+    cuts").
     """
     n = graph.num_nodes
     size = graph.size_bytes
-    segment_bytes = _segment_bytes(graph)
     cuts = []
     prev = -1
+    held = 0
     while True:
         run = new = 0
+        cap = cap_bytes - held if tapered else cap_bytes
         best = best_late = None
         p = prev + 1
         while p < n:
@@ -62,23 +72,24 @@ def _greedy_cuts(graph, uses, ends_at, allowed, cap_bytes: int) -> list[int]:
             for v in ends_at[p]:
                 if v > prev and v != p:
                     new -= size[v]
-            if run > cap_bytes and (best is not None or best_late is not None):
+            if run > cap and (best is not None or best_late is not None):
                 break
             if allowed[p]:
                 score = new * (EXPENSIVE_TIE_FACTOR if graph.is_expensive(p) else 1.0)
-                entry = (score, -p)
+                entry = (score, -p, new)
                 if best is None or entry <= best:
                     best = entry
-                if 2 * run >= cap_bytes and (best_late is None or entry <= best_late):
+                if 2 * run >= cap and (best_late is None or entry <= best_late):
                     best_late = entry
-                if run > cap_bytes:
+                if run > cap:
                     break
             p += 1
         if p >= n:  # the rest fits under the cap: it is the top segment
             return cuts
-        chosen = -(best_late or best)[1]
-        cuts.append(chosen)
-        prev = chosen
+        _, minus_chosen, chosen_new_bytes = best_late or best
+        cuts.append(-minus_chosen)
+        prev = -minus_chosen
+        held += chosen_new_bytes
 
 
 def _segment_bytes(graph: graph_lib.ForwardGraph) -> list[int]:
@@ -126,13 +137,16 @@ class CutSearch:
                 open_bad += 1
             open_bad -= sum(1 for v in self.ends_at[p] if v != p and v not in candidate_set)
             self.allowed.append(open_bad == 0 and self.uses[p] > p and p < n - 1)
-        counted = [s if self.uses[v] >= 0 else 0 for v, s in enumerate(_segment_bytes(graph))]
+        self.segment_bytes = _segment_bytes(graph)
+        counted = [s if self.uses[v] >= 0 else 0 for v, s in enumerate(self.segment_bytes)]
         self.total_bytes = sum(counted)
         self.largest_bytes = max(counted, default=0)
-        self.cumulative, running = [], 0
-        for s in counted:
-            running += s
-            self.cumulative.append(running)
+        self.cumulative = list(itertools.accumulate(counted))
+        # What a replayed segment holds of each node for its backward pass (the tapered walk's
+        # unit, comparable with the kept bytes held beside it).
+        self.retained_bytes = [r if self.uses[v] >= 0 else 0
+                               for v, r in enumerate(memory_model.retained_bytes(graph))]
+        self.retained_cumulative = list(itertools.accumulate(self.retained_bytes))
 
     @property
     def feasible(self) -> bool:
@@ -158,11 +172,16 @@ class CutSearch:
             return 2.0
         return (self.total_bytes / self.largest_bytes) ** (1.0 / (points - 1))
 
-    def cuts_for(self, cap_bytes: int) -> tuple:
-        if cap_bytes not in self._cuts:
-            self._cuts[cap_bytes] = tuple(_greedy_cuts(self.graph, self.uses, self.ends_at,
-                                                       self.allowed, cap_bytes))
-        return self._cuts[cap_bytes]
+    def cuts_for(self, cap_bytes: int, tapered: bool = False) -> tuple:
+        """The cuts of the budget walk under ``cap_bytes``: on the bytes a segment recomputes,
+        or, ``tapered``, on the bytes it retains less what earlier cuts keep (design note
+        "tapered cuts")."""
+        key = (cap_bytes, tapered)
+        if key not in self._cuts:
+            self._cuts[key] = tuple(_greedy_cuts(
+                self.graph, self.uses, self.ends_at, self.allowed, cap_bytes,
+                self.retained_bytes if tapered else self.segment_bytes, tapered=tapered))
+        return self._cuts[key]
 
     def kept_for(self, cuts: Iterable[int]) -> set:
         """The live frontiers of ``cuts`` plus ``must_keep``, closed for single ownership."""
@@ -180,6 +199,54 @@ class CutSearch:
         gap = max(self.cumulative[b] - (self.cumulative[a] if a >= 0 else 0)
                   for a, b in zip(bounds, bounds[1:]))
         return sum(self.graph.size_bytes[v] for v in kept) + gap
+
+    def held_bytes(self, cuts: Sequence[int], kept: Iterable[int]) -> int:
+        """A fast estimate of a plan's peak that knows the backward order: while a segment is
+        replayed, only the kept nodes before it are held (a kept node is freed when its own
+        level starts), beside what the segment retains; the top segment runs with every kept
+        node held. The largest of these sums (design note "tapered cuts")."""
+        size = self.graph.size_bytes
+        kept_positions = sorted(kept)
+        kept_before = list(itertools.accumulate(size[v] for v in kept_positions))
+        retained = self.retained_cumulative
+
+        def held_through(position: int) -> int:
+            count = bisect.bisect_right(kept_positions, position)
+            return kept_before[count - 1] if count else 0
+
+        worst, previous = 0, -1
+        for cut in cuts:
+            gap = retained[cut] - (retained[previous] if previous >= 0 else 0)
+            worst = max(worst, held_through(previous) + gap)
+            previous = cut
+        top_gap = retained[-1] - (retained[previous] if previous >= 0 else 0)
+        return max(worst, (kept_before[-1] if kept_before else 0) + top_gap)
+
+
+def _proposals(search: CutSearch, tapered: bool) -> dict[tuple, tuple]:
+    """The plans of one walk (even or tapered) over a geometric grid of caps, then a finer grid
+    around the best: cuts -> (quick estimate, cap, kept set, tapered). The even walk's estimate is kept
+    bytes plus the largest gap (:meth:`CutSearch.quick_bytes`); the tapered walk's, the held
+    bytes at each segment (:meth:`CutSearch.held_bytes`)."""
+    estimate = search.held_bytes if tapered else search.quick_bytes
+    quick: dict[tuple, tuple] = {}
+
+    def propose(cap_bytes: int) -> None:
+        cuts = search.cuts_for(cap_bytes, tapered)
+        if not cuts or cuts in quick:
+            return
+        kept = search.kept_for(cuts)
+        quick[cuts] = (estimate(cuts, kept), cap_bytes, kept, tapered)
+
+    for cap in search.caps(CAP_GRID_POINTS):
+        propose(cap)
+    if not quick:
+        return quick
+    best_cap = min(quick.values(), key=lambda q: q[0])[1]
+    fine = search.cap_ratio(CAP_GRID_POINTS) ** (2.0 / CAP_GRID_POINTS)
+    for i in range(-CAP_GRID_POINTS // 4, CAP_GRID_POINTS // 4 + 1):
+        propose(int(best_cap * fine ** i))
+    return quick
 
 
 def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
@@ -203,41 +270,33 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
         return None
     n = graph.num_nodes
     plain_peak = fast_replay.plain_peak_bytes(graph)
-    # Each cap gives a plan; a quick estimate ranks them, and only the best few are replayed by
-    # the memory model, which is slower.
-    quick: dict[tuple, tuple] = {}
-
-    def propose(cap_bytes: int) -> None:
-        cuts = search.cuts_for(cap_bytes)
-        if not cuts or cuts in quick:
-            return
-        kept = search.kept_for(cuts)
-        quick[cuts] = (search.quick_bytes(cuts, kept), cap_bytes, kept)
-
-    for cap in search.caps(CAP_GRID_POINTS):
-        propose(cap)
-    if not quick:
+    # Each cap gives a plan; a quick estimate ranks them, and only the best few of each walk
+    # are replayed by the memory model, which is slower. The even walk's plans are ranked as
+    # before the tapered walk existed, so adding it never loses the plan the even walk found.
+    candidates_to_replay: dict[tuple, tuple] = {}
+    for tapered in (False, True):
+        quick = _proposals(search, tapered)
+        for cuts, entry in sorted(quick.items(), key=lambda kv: kv[1][0])[:SIMULATED_PLANS]:
+            candidates_to_replay.setdefault(cuts, entry)
+    if not candidates_to_replay:
         return None
-    best_cap = min(quick.values(), key=lambda q: q[0])[1]
-    fine = search.cap_ratio(CAP_GRID_POINTS) ** (2.0 / CAP_GRID_POINTS)
-    for i in range(-CAP_GRID_POINTS // 4, CAP_GRID_POINTS // 4 + 1):
-        propose(int(best_cap * fine ** i))
 
     plans = []
     replayer = fast_replay.replayer(graph, not_replayed)
     # Expensive ops weigh more: among plans of equal peak, recompute the cheap ones.
     weights = np.asarray([EXPENSIVE_RECOMPUTE_WEIGHT if graph.is_expensive(v) else 1
                           for v in range(n)], dtype=np.float64)
-    for cuts, (_, cap_bytes, kept) in sorted(quick.items(), key=lambda kv: kv[1][0])[
-            :SIMULATED_PLANS]:
+    for cuts, (_, cap_bytes, kept, tapered) in candidates_to_replay.items():
         peak, cost = replayer.score(kept, weights)
+        cap_text = budgets.format_bytes(cap_bytes, 'MiB')
+        between = (f"segments retaining at most {cap_text} less what the cuts before them keep"
+                   if tapered else f"at most {cap_text} recomputed between cuts")
         plans.append(plan_lib.Plan(
             kept, not_replayed, planner="memory", cuts=cuts, segment_cap_bytes=cap_bytes,
             predicted_peak_bytes=peak,
             recompute_cost=cost,
             reason=f"cut at {len(cuts)} position{'' if len(cuts) == 1 else 's'} where the "
-                   f"live frontier is small, at most {budgets.format_bytes(cap_bytes, 'MiB')} "
-                   "recomputed between cuts; the lowest predicted "
+                   f"live frontier is small, {between}; the lowest predicted "
                    "peak, and the least recomputation among plans within 2% of it"))
     best_peak = min(p.predicted_peak_bytes for p in plans)
     if best_peak >= plain_peak:

@@ -47,7 +47,7 @@ from memsave_grads.core.solvers import problem as problem_lib
 from memsave_grads.core.solvers.dp import solve_dp
 from memsave_grads.core.solvers.greedy import cheapest_within, solve_greedy
 from memsave_grads.core.solvers.milp import milp_lower_bound, solve_milp
-from memsave_grads.core.solvers.revolve import solve_revolve
+from memsave_grads.core.solvers.revolve import lowest_peak_within_cost, solve_revolve
 
 #: This module's messages: a child of the ``memsave_grads`` logger.
 _LOG = logging.getLogger(__name__)
@@ -111,6 +111,9 @@ def memory_plan(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     problem = problem_lib.BudgetProblem(
         graph=graph, budget_bytes=lowest.predicted_peak_bytes, must_keep=frozenset(must_keep),
         candidates=frozenset(candidates), not_replayed=frozenset(not_replayed))
+    nested = _nested_below(problem)
+    if nested is not None:
+        return nested.replace(solve_seconds=time.perf_counter() - started)
     (kept, peak, cost), (_, _, lowest_cost) = cheapest_within(problem, lowest.kept)
     if cost >= lowest_cost:
         return lowest.replace(recompute_cost=lowest_cost,
@@ -122,6 +125,33 @@ def memory_plan(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
         solve_seconds=time.perf_counter() - started,
         reason=f"{lowest.reason}; then, at that peak or lower, the plan that recomputes least "
                f"({cost / lowest_cost:.0%} of the cut plan's FLOPs)")
+
+
+#: ``"memory"`` plans nested levels where they recompute at most this fraction of the forward
+#: pass (one extra forward pass at most: the time of a single-level plan) ...
+NESTED_COST_CAP_FRACTION = 1.0
+#: ... and predict a peak at most this fraction of the single-level plan's (the model
+#: under-predicts nested plans on wide frontiers: design note "multi-level").
+NESTED_PEAK_FACTOR = 0.9
+
+
+def _nested_below(problem: problem_lib.BudgetProblem) -> plan_lib.Plan | None:
+    """The nested plan of the lowest predicted peak that recomputes at most one forward pass,
+    where it predicts a peak clearly below the single-level plan's (``problem.budget_bytes``);
+    else None (design note "nested by default")."""
+    cap = NESTED_COST_CAP_FRACTION * problem.graph.forward_cost()
+    found = lowest_peak_within_cost(problem, cap)
+    if found is None or found[1] > NESTED_PEAK_FACTOR * problem.budget_bytes:
+        return None
+    cost, peak, plan = found
+    _LOG.debug("memsave_grads: memory: nested levels predict %d bytes against the single "
+               "level's %d, for %.3g of the forward pass recomputed", peak,
+               problem.budget_bytes, cost / problem.graph.forward_cost())
+    return plan.replace(
+        planner="memory", predicted_peak_bytes=peak, recompute_cost=cost,
+        reason=f"nested levels ({plan.levels} deep): the lowest predicted peak the revolve DP "
+               "found that recomputes at most one forward pass, "
+               f"{peak / problem.budget_bytes:.0%} of the best single-level plan's")
 
 
 def tradeoff(problem: problem_lib.BudgetProblem, points: int = 12,

@@ -4,6 +4,7 @@ See ``memsave_grads.core.multilevel`` (design note "multi-level") for nested pla
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Sequence
@@ -29,6 +30,12 @@ REVOLVE_RETRIES = 6
 SMALLEST_PEAK_LADDER = 0.9
 SMALLEST_PEAK_ROUNDS = 16
 SMALLEST_PEAK_PATIENCE = 4
+#: :func:`lowest_peak_within_cost` replays the trees of this many amounts of memory, from the
+#: smallest whose DP cost is within the cap upwards.
+WITHIN_COST_TRIES = 3
+#: ... on at most this many cut positions: the DP's work grows as their cube, and the default
+#: strategy must plan in about the time of tf.gradients' build (design note "planning cost").
+WITHIN_COST_POSITIONS = 48
 
 
 class _Chain:
@@ -42,13 +49,14 @@ class _Chain:
     """
 
     @classmethod
-    def of(cls, problem: problem_lib.BudgetProblem, search: planners.CutSearch) -> "_Chain":
-        """The chain over ``search``'s positions (thinned to :data:`REVOLVE_MAX_POSITIONS`),
-        made once per graph model and node sets: it does not depend on the budget."""
-        key = ("revolve chain", problem.must_keep, problem.candidates)
+    def of(cls, problem: problem_lib.BudgetProblem, search: planners.CutSearch,
+           max_positions: int = REVOLVE_MAX_POSITIONS) -> "_Chain":
+        """The chain over ``search``'s positions (thinned to ``max_positions``), made once per
+        graph model and node sets: it does not depend on the budget."""
+        key = ("revolve chain", problem.must_keep, problem.candidates, max_positions)
         memo = graph_lib.memo(problem.graph)
         if key not in memo:
-            memo[key] = cls(problem, search, search.positions(REVOLVE_MAX_POSITIONS))
+            memo[key] = cls(problem, search, search.positions(max_positions))
         return memo[key]
 
     def __init__(self, problem: problem_lib.BudgetProblem, search: planners.CutSearch,
@@ -87,7 +95,34 @@ _BASE = -1
 
 def _revolve_dp(chain: _Chain, budget_bytes: int,
                 quanta: int = REVOLVE_QUANTA) -> multilevel.CutTree | None:
-    """Cheapest cut tree under the decomposed peak, or None.
+    """Cheapest cut tree under the decomposed peak, or None (:func:`_revolve_table` at its
+    whole budget)."""
+    table = _revolve_table(chain, budget_bytes, quanta)
+    if table is None or not math.isfinite(table.costs[-1]):
+        return None
+    return table.tree(table.quanta)
+
+
+@dataclasses.dataclass
+class _Table:
+    """The revolve DP's answer for every amount of free memory up to its budget:
+    ``costs[q]`` is the least recompute cost of a tree whose decomposed peak is at most
+    ``must_bytes + q * unit`` (inf where none is)."""
+
+    costs: np.ndarray
+    unit: float
+    quanta: int
+    choice: np.ndarray
+    held: np.ndarray
+
+    def tree(self, q: int) -> multilevel.CutTree:
+        return _rebuild(self.choice, self.held, 0, self.choice.shape[0] - 1, q)
+
+
+def _revolve_table(chain: _Chain, budget_bytes: int,
+                   quanta: int = REVOLVE_QUANTA) -> _Table | None:
+    """The revolve DP over every amount of free memory up to ``budget_bytes``; None where
+    nothing is free.
 
     ``Bk[i, j, q]``: least recompute cost to backprop ``(p_i, p_j]`` after one forward sweep
     over it, with q units of memory free: either plain (its retained bytes fit), or keep a
@@ -130,15 +165,10 @@ def _revolve_dp(chain: _Chain, budget_bytes: int,
             bk[i, j] = base
         t[i, j] = chain.cost[i, j][:, None] + bk[i, j]
         # shifted[d, j, q] = bk[d, j, q - held[d]] for the pairs just finished (d = i).
-        for ii, jj in zip(i, j):
-            h = held[ii]
-            row = np.full(quanta + 1, np.inf)
-            if h <= quanta:
-                row[h:] = bk[ii, jj, :quanta + 1 - h]
-            shifted[ii, jj] = row
-    if not math.isfinite(bk[0, m2 - 1, quanta]):
-        return None
-    return _rebuild(choice, held, 0, m2 - 1, quanta)
+        source = qs[None, :] - held[i][:, None]
+        values = np.take_along_axis(bk[i, j], np.clip(source, 0, quanta), axis=1)
+        shifted[i, j] = np.where(source >= 0, values, np.inf)
+    return _Table(bk[0, m2 - 1].copy(), unit, quanta, choice, held)
 
 
 def _rebuild(choice, held, i, j, q) -> multilevel.CutTree:
@@ -225,6 +255,41 @@ def smallest_peak_plan(problem: problem_lib.BudgetProblem) -> tuple[float, int, 
         lowest = min(lowest, replayed, key=lambda f: (f[1], f[0]))
     memo[key] = lowest
     return lowest
+
+
+def lowest_peak_within_cost(problem: problem_lib.BudgetProblem,
+                            cost_cap: float) -> tuple[float, int, plan_lib.Plan] | None:
+    """(cost, replayed peak, plan) of the nested plan of the lowest peak below
+    ``problem.budget_bytes`` whose recompute cost is at most ``cost_cap``, or None where the
+    DP finds none (design note "nested by default").
+
+    One DP run at the budget answers every smaller amount of memory at once
+    (:func:`_revolve_table`): the smallest whose least cost is within the cap, and
+    :data:`WITHIN_COST_TRIES` amounts above it (the DP's decomposed peak and the replay differ
+    by a few units either way), are rebuilt and replayed; the lowest replayed peak whose
+    replayed cost is within the cap stands."""
+    graph = problem.graph
+    search = planners.CutSearch.of(graph, problem.must_keep, problem.candidates)
+    if not search.feasible:
+        return None
+    chain = _Chain.of(problem, search, WITHIN_COST_POSITIONS)
+    table = _revolve_table(chain, problem.budget_bytes)
+    if table is None:
+        return None
+    within = np.flatnonzero(table.costs <= cost_cap)
+    if not len(within):
+        return None
+    first = int(within[0])
+    step = max(1, (table.quanta - first) // (2 * WITHIN_COST_TRIES))
+    best = None
+    for q in sorted({min(table.quanta, first + i * step) for i in range(WITHIN_COST_TRIES)}):
+        if table.costs[q] > cost_cap:
+            continue
+        found = _replayed(problem, search, chain, table.tree(q))
+        if found[0] <= cost_cap and found[1] < problem.budget_bytes and (
+                best is None or (found[1], found[0]) < (best[1], best[0])):
+            best = found
+    return best
 
 
 def _replayed(problem: problem_lib.BudgetProblem, search: planners.CutSearch, chain: "_Chain",
