@@ -18,9 +18,9 @@ from tensorflow.python.eager import execute
 from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import ops as tf_ops
-from tensorflow.python.util import tf_stack
 from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import handle_data_util
+from tensorflow.python.util import tf_stack
 
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import ordering
@@ -130,8 +130,8 @@ def create_op(graph: tf.Graph, op_type: str, inputs: Sequence[tf.Tensor], *, nam
               control_inputs: Sequence[tf.Operation] = ()) -> tf.Operation:
     """The op ``graph._create_op_internal(op_type, inputs, name=name, attrs=attrs,
     op_def=op_def, compute_device=False)`` makes, on ``device`` and with ``control_inputs``
-    added, made through the C API directly (design note "planning cost": a third of the
-    cost on the copies of a 1000-block chain).
+    added, made through the C API directly (design note "planning cost": 0.65 -> 0.24 s for
+    the 4000 ops of a 1000-block chain's copies and boundaries).
 
     ``_create_op_internal`` rebuilds a ``NodeDef`` proto, validates it in Python and takes
     the graph's mutation lock around steps that the C API does itself; a copy's attributes

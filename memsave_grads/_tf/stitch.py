@@ -239,7 +239,8 @@ def _boundary(t: tf.Tensor, scope: str) -> tf.Tensor:
     make it (``t.op``'s colocation groups and device) but without the context managers and the
     op-definition library, through ``rewrite.create_op`` as the copies are: a level makes one
     per source, and on a 1000-block chain the ``tf.identity`` route was a tenth of the whole
-    rewrite's time (design note "boundaries"). Recorded on the tapes recording now, as ``tf.identity`` would be."""
+    rewrite's time (design note "boundaries"). Recorded on the tapes recording now, as
+    ``tf.identity`` would be."""
     graph = t.graph
     # TF1 reference variables (tf.identity reads the value behind the reference), and a call
     # inside a colocate_with block, whose groups colocate_with(t.op) would add to t.op's: the
