@@ -157,3 +157,40 @@ def test_a_residual_chain_is_planned_at_the_single_level_bound(blocks):
     assert report.predicted_peak_bytes <= 1.1 * bound_bytes, (
         report.predicted_peak_bytes / bound_bytes, report.plan_reason)
     assert report.recompute_fraction <= 1.0   # one extra forward pass at most
+
+
+def test_a_step_traced_again_is_not_replayed_again_by_the_never_worse_rule(monkeypatch):
+    """The never-worse rule's predicted peaks are kept like the plans: the same forward pass
+    traced again decides without replaying the memory model, and decides the same; another
+    batch size (other tensor sizes) is replayed anew."""
+    from memsave_grads._tf import selection  # pylint: disable=import-outside-toplevel
+    selection._PREDICTED_PEAKS.clear()
+    monkeypatch.setattr(selection, "NEVER_WORSE_RULE", True)  # off for the other tests
+    replayed, decisions = [], []
+    replay, decide = selection._replayed_peaks, selection.decide_schedule
+    monkeypatch.setattr(selection, "_replayed_peaks", lambda *args: replayed.append(
+        args[-1]) or replay(*args))
+    monkeypatch.setattr(selection, "decide_schedule", lambda *args: decisions.append(
+        decide(*args)) or decisions[-1])
+    rng = np.random.RandomState(0)
+    weights = [tf.constant(rng.randn(32, 32).astype(np.float32) * 0.2) for _ in range(12)]
+
+    def traced(batch):
+        x = tf.constant(np.random.RandomState(1).randn(batch, 32).astype(np.float32))
+
+        @tf.function
+        def step(x):
+            h = x
+            for w in weights:
+                h = h + tf.tanh(h @ w)
+            return mg.gradients(tf.reduce_sum(h * h), [x], checkpoints="memory")[0]
+        return step(x).numpy()
+
+    traced(16)
+    first = len(replayed)
+    assert first >= 1
+    traced(16)
+    assert len(replayed) == first
+    assert decisions[0] == decisions[1]
+    traced(8)
+    assert len(replayed) > first

@@ -1,8 +1,11 @@
 """What the rewrite adds to the graph, and what it must leave alone."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 
 import memsave_grads as mg
 from conftest import assert_grads_close
@@ -311,3 +314,107 @@ def test_a_variable_read_given_another_gradient_keeps_it(graph, session):
     theirs = session.run(tf.gradients(loss, ws))
     ours = session.run(mg.gradients(loss, ws, checkpoints="memory"))
     assert_grads_close(ours, theirs)
+
+
+def _created_both_ways(build_inputs, op_type, attrs_of, contexts=()):
+    """The op ``rewrite.create_op`` makes and the one ``Graph._create_op_internal`` makes from
+    the same arguments (then ``_set_device`` and ``_add_control_inputs``, as copies were made
+    before), in twin graphs under the same context managers."""
+    from memsave_grads._tf import rewrite  # pylint: disable=import-outside-toplevel
+    made = []
+    for fast in (True, False):
+        graph = tf.Graph()
+        with graph.as_default():
+            inputs, controls, device = build_inputs()
+            with contextlib.ExitStack() as stack:
+                for context in contexts:
+                    stack.enter_context(context(graph, inputs))
+                op_def = graph.op_def_for_type(op_type)
+                attrs = attrs_of(inputs)
+                if fast:
+                    op = rewrite.create_op(graph, op_type, inputs, name="made", attrs=attrs,
+                                           op_def=op_def, device=device,
+                                           control_inputs=controls)
+                else:
+                    op = graph._create_op_internal(  # pylint: disable=protected-access
+                        op_type, inputs, name="made", attrs=attrs, op_def=op_def,
+                        compute_device=False)
+                    op._set_device(device)  # pylint: disable=protected-access
+                    if controls:
+                        op._add_control_inputs(controls)  # pylint: disable=protected-access
+            made.append(op)
+    return made
+
+
+def _described(op):
+    node_def = op.node_def
+    return {"name": op.name, "type": op.type, "inputs": [t.name for t in op.inputs],
+            "controls": sorted(c.name for c in op.control_inputs), "device": op.device,
+            "attrs": {k: v.SerializeToString(deterministic=True)
+                      for k, v in node_def.attr.items()},
+            "groups": op.colocation_groups(),
+            "shapes": [t.shape.as_list() if t.shape.rank is not None else None
+                       for t in op.outputs],
+            "dtypes": [t.dtype for t in op.outputs],
+            "original": op._original_op,  # pylint: disable=protected-access
+            "gradient_function": op._gradient_function,  # pylint: disable=protected-access
+            "context": op._control_flow_context}  # pylint: disable=protected-access
+
+
+def _matmul_inputs():
+    a = tf.ones([2, 3], name="a")
+    with tf.device("/device:CPU:1"):  # where a colocated op goes, by the ordinary route
+        b = tf.ones([3, 4], name="b")
+    wait = tf.no_op(name="wait")
+    return [a, b], [wait, wait], "/device:CPU:0"  # a control input given twice counts once
+
+
+def _list_inputs():
+    parts = [tf.ones([2, 2], name=f"part{i}") for i in range(3)]
+    return parts + [tf.constant(0, name="axis")], [], ""
+
+
+def _type_list_inputs():
+    return [tf.ones([2], name="f"), tf.constant([1, 2], name="i")], [], ""
+
+
+def _attr_value(**kwargs):
+    return attr_value_pb2.AttrValue(**kwargs)
+
+
+@pytest.mark.parametrize("case", ["matmul", "concat", "identity_n", "scoped", "controlled",
+                                  "colocated", "overridden"])
+def test_create_op_makes_what_create_op_internal_makes(case):
+    """``rewrite.create_op`` (the copies' and boundaries' route through the C API) gives the
+    op the ordinary route gives: name made unique in the name scope, inputs (lists grouped
+    by the op definition), attributes, device, control inputs (the caller's and those of an
+    enclosing ``control_dependencies``), colocation groups of an enclosing ``colocate_with``,
+    gradient overrides, shapes, original op and control-flow context."""
+    matmul_attrs = lambda inputs: {  # noqa: E731
+        "T": _attr_value(type=tf.float32.as_datatype_enum),
+        "transpose_a": _attr_value(b=False), "transpose_b": _attr_value(b=False),
+        "_class": _attr_value(list=attr_value_pb2.AttrValue.ListValue(s=[b"loc:@a"]))}
+    cases = {
+        "matmul": (_matmul_inputs, "MatMul", matmul_attrs, ()),
+        "concat": (_list_inputs, "ConcatV2", lambda inputs: {
+            "T": _attr_value(type=tf.float32.as_datatype_enum), "N": _attr_value(i=3),
+            "Tidx": _attr_value(type=tf.int32.as_datatype_enum)}, ()),
+        "identity_n": (_type_list_inputs, "IdentityN", lambda inputs: {
+            "T": _attr_value(list=attr_value_pb2.AttrValue.ListValue(
+                type=[tf.float32.as_datatype_enum, tf.int32.as_datatype_enum]))}, ()),
+        "scoped": (_matmul_inputs, "MatMul", matmul_attrs,
+                   (lambda g, i: g.name_scope("outer"), lambda g, i: g.name_scope("made"))),
+        "controlled": (_matmul_inputs, "MatMul", matmul_attrs,
+                       (lambda g, i: g.control_dependencies([tf.no_op(name="before")]),)),
+        "colocated": (_matmul_inputs, "MatMul", matmul_attrs,
+                      (lambda g, i: g.colocate_with(i[1].op),)),
+        "overridden": (_matmul_inputs, "MatMul", matmul_attrs,
+                       (lambda g, i: g.gradient_override_map({"MatMul": "Identity"}),
+                        lambda g, i: g._attr_scope(  # pylint: disable=protected-access
+                            {"_scoped": _attr_value(s=b"yes")}))),
+    }
+    build, op_type, attrs_of, contexts = cases[case]
+    fast, ordinary = _created_both_ways(build, op_type, attrs_of, contexts=contexts)
+    assert _described(fast) == _described(ordinary)
+    # Its name is marked as used: the next op of that name is made unique.
+    assert fast.graph.unique_name(fast.name, mark_as_used=False) != fast.name

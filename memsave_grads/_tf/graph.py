@@ -710,11 +710,19 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
     reads_inputs = [op_types.gradient_reads_inputs(op.type) if found is None
                     else bool(found.read_inputs) for op, found in zip(region, facts)]
     unread = []
-    for op, found in zip(region, facts):
-        differentiable = [carries_gradients(t) and (t.op in index or t.ref() in x_refs)
-                          for t in op.inputs]
-        static_shapes = all(t.shape.is_fully_defined()
-                            for t in (*op.inputs, *op.outputs) if t.dtype != tf.resource)
+    for op, found, preds, reads_any in zip(region, facts, inputs, reads_inputs):
+        if not preds or (found is None and not reads_any):
+            # Nothing of the region read, or a gradient that reads no input: every input of
+            # the region is unread, whatever the per-input rule says (the rule's first test).
+            unread.append(frozenset(preds))
+            continue
+        if found is None:
+            differentiable = [carries_gradients(t) and (t.op in index or t.ref() in x_refs)
+                              for t in op.inputs]
+            # The rule reads static shapes for one kind of op only (a select's condition).
+            static_shapes = (op.type in op_types.GRADIENT_READS_CONDITION_ONLY_OP_TYPES and all(
+                t.shape.is_fully_defined()
+                for t in (*op.inputs, *op.outputs) if t.dtype != tf.resource))
         read = {}
         for i, t in enumerate(op.inputs):
             if t.op in index:

@@ -412,14 +412,39 @@ class ScheduleDecision:
     scratch_bytes: int = 0
 
 
+#: The never-worse rule's predictions by everything they depend on (the models by value, the
+#: plan, the scratch), kept as the plans are (:data:`_PLANS`): a step traced again is not
+#: replayed again (design note "planning cost"). A few, most recent kept.
+_PREDICTED_PEAKS: collections.OrderedDict = collections.OrderedDict()
+
+
 def _predicted_peaks(ctx: SelectionContext, plan: plan_lib.Plan,
                      scratch_factor: int = 1) -> tuple[int, int, int]:
     """(plan, plain tf.gradients, largest scratch): the memory model's peaks, with the gradient
     kernels' scratch (the plan's multiplied by ``scratch_factor``). With unknown dimensions
     sizes are per unit of them (per example), so terms that do not grow with the batch,
     variables' gradients and scratch, are left out of both: they would decide for a batch of
-    one."""
+    one. Predicted once per model, plan and scratch (:data:`_PREDICTED_PEAKS`)."""
     workspace = ctx.workspace_bytes
+    if plan.children:  # nested plans (revolve): not kept
+        return _replayed_peaks(ctx, plan, workspace, scratch_factor)
+    key = (graph_lib.without_memo(ctx.model),
+           graph_lib.without_memo(ctx.plain_model) if ctx.plain_model is not ctx.model
+           else None, ctx.unknown_dimensions, tuple(workspace) if workspace else None,
+           scratch_factor, plan.kept, plan.not_replayed)
+    if key in _PREDICTED_PEAKS:
+        _PREDICTED_PEAKS.move_to_end(key)
+        return _PREDICTED_PEAKS[key]
+    peaks = _replayed_peaks(ctx, plan, workspace, scratch_factor)
+    _PREDICTED_PEAKS[key] = peaks
+    while len(_PREDICTED_PEAKS) > PLAN_CACHE_SIZE:
+        _PREDICTED_PEAKS.popitem(last=False)
+    return peaks
+
+
+def _replayed_peaks(ctx: SelectionContext, plan: plan_lib.Plan, workspace: list[int] | None,
+                    scratch_factor: int) -> tuple[int, int, int]:
+    """:func:`_predicted_peaks`, replayed."""
     scratch = max(workspace) if workspace else 0
     plan_workspace = [scratch_factor * w for w in workspace] if workspace else None
     model, plain_model = ctx.model, ctx.plain_model

@@ -20,6 +20,7 @@ from typing import Iterable, Mapping, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import op_def_registry
 
 from memsave_grads._tf import exposure
 from memsave_grads._tf import ordering
@@ -236,9 +237,10 @@ def _top(state: _Backprop, ys, grad_ys, top: list[tf.Operation]) -> None:
 def _boundary(t: tf.Tensor, scope: str) -> tf.Tensor:
     """``tf.identity(t)`` colocated with ``t``, made the way ``colocate_with(t.op)`` would
     make it (``t.op``'s colocation groups and device) but without the context managers and the
-    op-definition library: a level makes one per source, and on a 1000-block chain the
-    ``tf.identity`` route was a tenth of the whole rewrite's time (design note
-    "boundaries"). Recorded on the tapes recording now, as ``tf.identity`` would be."""
+    op-definition library, through ``rewrite.create_op`` as the copies are: a level makes one
+    per source, and on a 1000-block chain the ``tf.identity`` route was a tenth of the whole
+    rewrite's time (design note "boundaries"). Recorded on the tapes recording now, as
+    ``tf.identity`` would be."""
     graph = t.graph
     # TF1 reference variables (tf.identity reads the value behind the reference), and a call
     # inside a colocate_with block, whose groups colocate_with(t.op) would add to t.op's: the
@@ -250,10 +252,8 @@ def _boundary(t: tf.Tensor, scope: str) -> tf.Tensor:
     attrs = {"T": attr_value_pb2.AttrValue(type=t.dtype.as_datatype_enum),
              "_class": attr_value_pb2.AttrValue(
                  list=attr_value_pb2.AttrValue.ListValue(s=groups))}
-    op = graph._create_op_internal(  # pylint: disable=protected-access
-        "Identity", [t], dtypes=[t.dtype], name=f"{scope}Identity", attrs=attrs,
-        compute_device=False)
-    op._set_device(t.op.device)  # pylint: disable=protected-access
+    op = rewrite.create_op(graph, "Identity", [t], name=f"{scope}Identity", attrs=attrs,
+                           op_def=op_def_registry.get("Identity"), device=t.op.device)
     out = op.outputs[0]
     out.set_shape(t.shape)
     rewrite.copy_handle_data(t, out)  # a resource's or variant's, as tf.identity passes on
