@@ -194,3 +194,20 @@ def test_a_step_traced_again_is_not_replayed_again_by_the_never_worse_rule(monke
     assert decisions[0] == decisions[1]
     traced(8)
     assert len(replayed) > first
+
+
+def test_build_time_measures_first_builds_that_plan(monkeypatch):
+    """``build-time`` rebuilds the same graph for every measurement; the plans kept across
+    retraces would make every build after the first skip planning, so it forgets them: each
+    build plans."""
+    from memsave_grads._tf import selection  # pylint: disable=import-outside-toplevel
+    from memsave_grads.bench import build_time  # pylint: disable=import-outside-toplevel
+    planned = []
+    make_plan = selection._make_plan
+    monkeypatch.setattr(selection, "_make_plan", lambda ctx, checkpoints: planned.append(
+        checkpoints) or make_plan(ctx, checkpoints))
+    spec = build_time.residual_mlp(8)
+    for _ in range(3):
+        build_time._build_once(spec, "memory")
+    assert len(planned) == 3
+    selection.forget_plans()

@@ -324,6 +324,13 @@ _PLANS: collections.OrderedDict = collections.OrderedDict()
 PLAN_CACHE_SIZE = 16
 
 
+def forget_plans() -> None:
+    """Drop the kept plans and the never-worse rule's kept predictions, so that the next
+    gradients call plans as a first trace does (``build-time`` measures first builds)."""
+    _PLANS.clear()
+    _PREDICTED_PEAKS.clear()
+
+
 def _plan_key(ctx: SelectionContext, checkpoints: ParsedCheckpoints):
     """What a planner's plan depends on: the graph model (sizes, costs, flags, names), the
     node sets, the strategy or budget; None where nothing is cached (explicit tensors, the
