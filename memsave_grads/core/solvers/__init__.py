@@ -96,13 +96,16 @@ def solve(problem: problem_lib.BudgetProblem,
 
 
 def memory_plan(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
-                candidates: Iterable[int], not_replayed: Iterable[int] = ()) -> plan_lib.Plan | None:
+                candidates: Iterable[int], not_replayed: Iterable[int] = (),
+                nested: bool = True) -> plan_lib.Plan | None:
     """The ``"memory"`` strategy: the lowest predicted peak, for the least recomputation found.
 
     First :func:`planners.frontier_cuts` finds the lowest peak; then, with that peak as the
     budget, :func:`greedy.cheapest_within` looks for a plan that recomputes less (fewer FLOPs)
     without peaking higher (design note "frontier cuts"). ``None`` where no position can be
-    cut; a plan that predicts no saving is returned as ``frontier_cuts`` made it.
+    cut; a plan that predicts no saving is returned as ``frontier_cuts`` made it. With
+    ``nested`` (default) nested levels replace the single-level plan where they predict clearly
+    less for at most one forward pass recomputed (design note "nested by default").
     """
     started = time.perf_counter()
     lowest = planners.frontier_cuts(graph, must_keep, candidates, not_replayed)
@@ -111,9 +114,9 @@ def memory_plan(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     problem = problem_lib.BudgetProblem(
         graph=graph, budget_bytes=lowest.predicted_peak_bytes, must_keep=frozenset(must_keep),
         candidates=frozenset(candidates), not_replayed=frozenset(not_replayed))
-    nested = _nested_below(problem)
-    if nested is not None:
-        return nested.replace(solve_seconds=time.perf_counter() - started)
+    deeper = _nested_below(problem) if nested else None
+    if deeper is not None:
+        return deeper.replace(solve_seconds=time.perf_counter() - started)
     (kept, peak, cost), (_, _, lowest_cost) = cheapest_within(problem, lowest.kept)
     if cost >= lowest_cost:
         return lowest.replace(recompute_cost=lowest_cost,
