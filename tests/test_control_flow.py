@@ -59,7 +59,7 @@ def _rewritten_ops(graph):
 
 #: The least saving each forward pass must show at this size (measured, 2026-11-27: plain
 #: 3.6x, cond 3.8x, cond with dropout 2.9x, function 3.2x, while 2.5-3.5x), with headroom.
-LEAST_SAVING = {"plain": 3.0, "cond": 3.0, "cond_dropout": 2.3, "function": 2.7, "while": 2.2}
+LEAST_SAVING = {"plain": 2.8, "cond": 2.8, "cond_dropout": 2.3, "function": 2.7, "while": 2.2}
 
 
 @pytest.mark.never_worse
