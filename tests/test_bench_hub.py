@@ -11,9 +11,9 @@ from memsave_grads import cli
 from memsave_grads.bench import hub
 
 
-def _result(arch, method, jit, peak_mib, seconds=None, failed=""):
+def _result(arch, method, jit, peak_mib, seconds=None, failed="", error=None):
     return hub.Result(arch, method, jit, None if peak_mib is None else int(peak_mib * 2**20),
-                      seconds, failed)
+                      seconds, failed, error)
 
 
 def test_models_select_architectures_as_it_selects_the_other_models():
@@ -32,12 +32,31 @@ def test_models_accepts_architecture_names_for_the_benchmark_only():
 
 def test_table_gives_each_compilation_s_saving_and_time_and_says_what_failed():
     results = [[_result("gpt2", "stock", False, 200, 1.0),
-                _result("gpt2", "memory", False, 50, 1.2),
+                _result("gpt2", "memory", False, 50, 1.2, error=2.5e-7),
                 _result("gpt2", "stock", True, 160, 2.0),
                 _result("gpt2", "memory", True, None, failed="OOM when allocating")]]
     row = hub.table(results).splitlines()[2]
-    assert row == ("| GPT-2 | 200 | 50.0 | 4.00x | 1.20x | 160 | - | OOM when allocating "
-                   "| - |")
+    assert row == ("| GPT-2 | 200 | 50.0 | 4.00x | 1.20x | 2.5e-07 | 160 | - "
+                   "| OOM when allocating | - | - |")
+
+
+def test_the_gradient_error_floors_gradients_that_are_zero_by_cancellation():
+    np = pytest.importorskip("numpy")
+    reference = [np.array([1.0, -2.0]), np.array([1e-10, -1e-10])]
+    # A key bias's gradient: 1e-10 either way, nothing against the largest gradient (2.0).
+    assert hub._max_rel_error([reference[0], np.array([-1e-10, 1e-10])], reference) < 1e-6
+    # A real error still reads as one, relative to its own variable's scale.
+    assert hub._max_rel_error([np.array([1.0, -1.9]), reference[1]], reference) == (
+        pytest.approx(0.05))
+    assert hub._max_rel_error([np.array([1.0, -2.0]), np.array([0.01, 0])], reference) == (
+        pytest.approx(5.0))
+
+
+def test_a_wrapped_result_without_its_gradient_check_or_above_tolerance_is_wrong():
+    assert not hub.gradients_wrong(_result("gpt2", "stock", True, 100))
+    assert hub.gradients_wrong(_result("gpt2", "memory", True, 40))
+    assert hub.gradients_wrong(_result("gpt2", "memory", True, 40, error=1e-3))
+    assert not hub.gradients_wrong(_result("gpt2", "memory", True, 40, error=1e-6))
 
 
 def test_hub_only_runs_the_keras_hub_table_alone(monkeypatch, capsys):
@@ -47,7 +66,8 @@ def test_hub_only_runs_the_keras_hub_table_alone(monkeypatch, capsys):
 
     def fake_measure_all(architectures, repeats):
         asked.append([a.key for a in architectures])
-        return [[_result(a.key, m, jit, 100 if m == "stock" else 40, 1.0)
+        return [[_result(a.key, m, jit, 100 if m == "stock" else 40, 1.0,
+                         error=None if m == "stock" else 1e-6)
                  for jit in (False, True) for m, _ in hub.METHODS] for a in architectures]
 
     def not_this(args):
@@ -74,3 +94,11 @@ def test_a_tiny_gpt2_saves_with_and_without_xla():
                        for m in ("stock", "memory"))
         assert not stock.failed and not ours.failed, (stock.failed, ours.failed)
         assert ours.peak_bytes < 0.6 * stock.peak_bytes, (jit, stock, ours)
+
+
+@pytest.mark.slow
+def test_a_tiny_gpt2_s_wrapped_fit_step_has_the_stock_gradients_under_xla():
+    pytest.importorskip("keras_hub")
+    shape = hub.Shape(layers=2, hidden=64, heads=2, intermediate=128, batch=4, sequence=32)
+    error = hub.gradient_error(hub.architecture("gpt2"), True, shape)
+    assert error is not None and error <= hub.GRADIENT_TOLERANCE, error

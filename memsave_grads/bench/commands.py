@@ -186,7 +186,8 @@ def _hub_benchmark(args: argparse.Namespace) -> tuple[list, int]:
     _LOG.info("[keras_hub] %s, a fresh process per cell ...",
               ", ".join(a.label for a in architectures))
     results = bench_hub.measure_all(architectures, repeats=args.repeats)
-    return results, int(any(r.failed for rs in results for r in rs))
+    return results, int(any(r.failed or bench_hub.gradients_wrong(r)
+                            for rs in results for r in rs))
 
 
 def scaling(args: argparse.Namespace) -> int:

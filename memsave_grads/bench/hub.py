@@ -11,7 +11,9 @@ False or True. Each (architecture, method, compilation) is measured in a fresh p
 what is in use before the step (the weights and the optimizer's state are resident). The step
 times of one (architecture, compilation) are measured in one more process, the stock and the
 wrapped model (built from the same seed) stepping in turns, so that their ratio holds on a loaded
-machine. Needs ``pip install keras-hub`` (not a dependency of memsave_grads).
+machine; and the wrapped step's gradients are checked against the stock step's in another
+(:func:`gradient_error`), since a saving is worth nothing on wrong gradients. Needs
+``pip install keras-hub`` (not a dependency of memsave_grads).
 """
 
 from __future__ import annotations
@@ -136,10 +138,15 @@ class Result:
     peak_bytes: int | None = None
     step_seconds: float | None = None
     failed: str = ""
+    #: The wrapped step's gradients against the stock step's (:func:`gradient_error`); on the
+    #: wrapped method's results only.
+    max_rel_error: float | None = None
 
 
-def build(arch: Architecture, shape: Shape, jit_compile: bool, seed: int = 0):
-    """The compiled Keras 3 model (backbone + language-model head) and one batch for it."""
+def build(arch: Architecture, shape: Shape, jit_compile: bool, seed: int = 0,
+          optimizer=None):
+    """The compiled Keras 3 model (backbone + language-model head) and one batch for it;
+    trained by SGD unless ``optimizer`` is given."""
     import keras  # pylint: disable=import-outside-toplevel
     import keras_hub  # pylint: disable=import-outside-toplevel
     import numpy as np  # pylint: disable=import-outside-toplevel
@@ -151,7 +158,7 @@ def build(arch: Architecture, shape: Shape, jit_compile: bool, seed: int = 0):
     outputs = backbone(inputs)
     sequence = outputs[arch.output] if arch.output else outputs
     model = keras.Model(inputs, keras.layers.Dense(shape.vocabulary)(sequence))
-    model.compile(optimizer=keras.optimizers.SGD(1e-3),
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=jit_compile)
     rng = np.random.default_rng(seed)
@@ -178,14 +185,54 @@ def measure(arch: Architecture, method: str, jit_compile: bool,
     return result
 
 
+#: The largest gradient error (:func:`gradient_error`) the benchmark accepts: float32's
+#: tolerance; the stock and the wrapped step are compiled apart (about 1e-6 measured).
+GRADIENT_TOLERANCE = 1e-5
+
+
+def gradient_error(arch: Architecture, jit_compile: bool,
+                   shape: Shape = Shape()) -> float | None:
+    """The wrapped fit step's gradients against the stock one's, in a fresh process: both
+    models built from the same seed take one ``train_on_batch`` step with an optimizer that
+    records each gradient instead of applying it (:func:`_recording_sgd`). The error is the
+    largest over the variables of ``max|ours - stock| / max(max|stock|, floor)``, where the
+    floor, 1e-3 of the largest gradient of any variable, keeps a gradient that is zero by
+    cancellation (an attention key bias: about 1e-10 either way) from reading as 100%.
+    ``None`` (and an error logged) where the check failed to run."""
+    request = {"architecture": arch.key, "methods": [m for m, _ in METHODS],
+               "jit_compile": jit_compile, "measure": "gradients",
+               "shape": dataclasses.asdict(shape)}
+    outcome = child.run(__name__, request)
+    if outcome.returncode != 0 or outcome.result is None:
+        _LOG.error("%s / jit_compile=%s: gradient check failed:\n%s", arch.key, jit_compile,
+                   outcome.stderr[-3000:])
+        return None
+    error = outcome.result["max_rel_error"]
+    log = _LOG.error if error > GRADIENT_TOLERANCE else _LOG.info
+    log("%s / jit_compile=%s: max rel grad err %.2g (tolerance %g)", arch.key, jit_compile,
+        error, GRADIENT_TOLERANCE)
+    return error
+
+
+def gradients_wrong(result: Result) -> bool:
+    """Whether a wrapped result's gradient check failed to run or found an error above
+    :data:`GRADIENT_TOLERANCE` (a stock result: never)."""
+    if result.method == METHODS[0][0]:
+        return False
+    return result.max_rel_error is None or result.max_rel_error > GRADIENT_TOLERANCE
+
+
 def measure_all(architectures: Sequence[Architecture], shape: Shape = Shape(),
                 repeats: int = 3) -> list[list[Result]]:
-    """Every architecture's cells, one list per architecture: the peaks, then the step times
-    of each compilation, both methods in turns in one process."""
+    """Every architecture's cells, one list per architecture: the peaks, the gradients'
+    error, then the step times of each compilation, both methods in turns in one process."""
     all_results = []
     for arch in architectures:
         results = [measure(arch, method, jit, shape)
                    for jit in (False, True) for method, _ in METHODS]
+        for r in results:
+            if r.method != METHODS[0][0]:
+                r.max_rel_error = gradient_error(arch, r.jit_compile, shape)
         for jit in (False, True):
             request = {"architecture": arch.key, "methods": [m for m, _ in METHODS],
                        "jit_compile": jit, "measure": "time", "repeats": repeats,
@@ -207,17 +254,56 @@ def _train_step(model, batch, labels):
     return lambda: model.train_on_batch(batch, labels)
 
 
+def _recording_sgd():
+    """An SGD whose update records each variable's gradient (densified) in a slot instead of
+    applying it: what the fit step computed, read back after the step."""
+    import keras  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    class RecordingSGD(keras.optimizers.SGD):
+        def build(self, variables):
+            super().build(variables)
+            self.recorded = [self.add_variable_from_reference(v, "recorded") for v in variables]
+
+        def update_step(self, gradient, variable, learning_rate):
+            if isinstance(gradient, tf.IndexedSlices):
+                gradient = tf.convert_to_tensor(gradient)
+            self.recorded[self._get_variable_index(variable)].assign(gradient)
+
+    return RecordingSGD(1e-3)
+
+
+def _max_rel_error(gradients, reference) -> float:
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    floor = 1e-3 * max((float(np.abs(r).max()) for r in reference if r.size), default=0.0)
+    worst = 0.0
+    for g, r in zip(gradients, reference):
+        if r.size:
+            scale = max(float(np.abs(r).max()), floor) or 1.0
+            worst = max(worst, float(np.abs(g - r).max()) / scale)
+    return worst
+
+
 def _measure_here(request: dict) -> dict:
-    """The child's side of :func:`measure` and :func:`measure_all`'s timing."""
+    """The child's side of :func:`measure`, :func:`gradient_error` and :func:`measure_all`'s
+    timing."""
     import memsave_grads as mg  # pylint: disable=import-outside-toplevel
     measure_lib.reserve_cpu_heap()
     arch, shape = architecture(request["architecture"]), Shape(**request["shape"])
-    steps = []
+    checking = request["measure"] == "gradients"
+    steps, recorded = [], []
     for method in request["methods"]:
-        model, batch, labels = build(arch, shape, request["jit_compile"])
+        model, batch, labels = build(arch, shape, request["jit_compile"],
+                                     optimizer=_recording_sgd() if checking else None)
         if method == "memory":
             mg.wrap_model(model, checkpoints="memory", fallback="error")
         steps.append(_train_step(model, batch, labels))
+        if checking:
+            steps[-1]()
+            recorded.append([v.numpy() for v in model.optimizer.recorded])
+    if checking:
+        reference, ours = recorded
+        return {"max_rel_error": _max_rel_error(ours, reference)}
     if request["measure"] == "time":
         seconds = measure_lib.interleaved_median_seconds(steps, repeats=request["repeats"])
         return dict(zip(request["methods"], seconds))
@@ -245,11 +331,13 @@ def table(results_per_architecture: Sequence[Sequence[Result]]) -> str:
                       if stock.peak_bytes and ours.peak_bytes else ours.failed[:60] or "-")
             time_ratio = (f"{ours.step_seconds / stock.step_seconds:.2f}x"
                           if stock.step_seconds and ours.step_seconds else "-")
-            row += [_mib(stock.peak_bytes), _mib(ours.peak_bytes), saving, time_ratio]
+            error = "-" if ours.max_rel_error is None else f"{ours.max_rel_error:.1e}"
+            row += [_mib(stock.peak_bytes), _mib(ours.peak_bytes), saving, time_ratio, error]
         rows.append(row)
     return tables.markdown_table(
-        ["architecture", "stock MiB", "wrap_model MiB", "less", "time",
-         "stock MiB XLA", "wrap_model MiB XLA", "less XLA", "time XLA"], "lrrrrrrrr", rows)
+        ["architecture", "stock MiB", "wrap_model MiB", "less", "time", "grad err",
+         "stock MiB XLA", "wrap_model MiB XLA", "less XLA", "time XLA", "grad err XLA"],
+        "lrrrrrrrrrr", rows)
 
 
 TABLE_NOTES = (
@@ -260,7 +348,10 @@ TABLE_NOTES = (
     f"{Shape().layers // 2} decoder layers) with a Dense language-model head. Peaks: the "
     "allocator's, above what is resident before the step, each cell a fresh process, the "
     f"median of {PEAK_RUNS} steps. time: the wrapped model's step against the stock one's, "
-    "both stepping in turns in one process (median).")
+    "both stepping in turns in one process (median). grad err: the wrapped step's gradients "
+    "against the stock step's (same seed, same batch), the largest over the variables of the "
+    "maximum difference over the stock gradient's maximum (floored at 1e-3 of the largest "
+    "gradient, for gradients that are zero by cancellation).")
 
 
 if __name__ == "__main__":
