@@ -55,8 +55,8 @@ def test_the_gradient_error_floors_gradients_that_are_zero_by_cancellation():
 def test_a_wrapped_result_without_its_gradient_check_or_above_tolerance_is_wrong():
     assert not hub.gradients_wrong(_result("gpt2", "stock", True, 100))
     assert hub.gradients_wrong(_result("gpt2", "memory", True, 40))
-    assert hub.gradients_wrong(_result("gpt2", "memory", True, 40, error=1e-6))
-    assert not hub.gradients_wrong(_result("gpt2", "memory", True, 40, error=1e-13))
+    assert hub.gradients_wrong(_result("gpt2", "memory", True, 40, error=1e-3))
+    assert not hub.gradients_wrong(_result("gpt2", "memory", True, 40, error=1e-6))
 
 
 def test_hub_only_runs_the_keras_hub_table_alone(monkeypatch, capsys):

@@ -80,6 +80,9 @@ class Architecture:
     arguments: Callable[[Shape], dict]
     inputs: Callable[[Shape, object], dict] = _decoder_inputs
     output: str | None = None
+    #: Whether the backbone builds and trains in float64 (the gradient check's precision,
+    #: see :func:`gradient_error`).
+    float64: bool = True
 
     @property
     def name(self) -> str:
@@ -105,7 +108,10 @@ ARCHITECTURES = (
     Architecture("qwen3_moe", "Qwen3-MoE (4 experts, top 2)", "Qwen3MoeBackbone",
                  lambda s: {**_gqa(s), "head_dim": s.hidden // s.heads,
                             "moe_intermediate_dim": s.intermediate // 4, "num_experts": 4,
-                            "top_k": 2}),
+                            "top_k": 2},
+                 # keras_hub 0.32's load-balancing loss multiplies a float32 mask into
+                 # float64 routing weights: it cannot build in float64.
+                 float64=False),
     Architecture("bert", "BERT", "BertBackbone", lambda s: {
         "num_layers": s.layers, "num_heads": s.heads, "hidden_dim": s.hidden,
         "intermediate_dim": s.intermediate, "max_sequence_length": s.sequence,
@@ -185,24 +191,27 @@ def measure(arch: Architecture, method: str, jit_compile: bool,
     return result
 
 
-#: The largest gradient error (:func:`gradient_error`, in float64) the benchmark accepts:
-#: float64's tolerance.
-GRADIENT_TOLERANCE = 1e-10
+#: The largest gradient error (:func:`gradient_error`) the benchmark accepts: float32's
+#: tolerance (see there for why, although the check runs in float64 where it can).
+GRADIENT_TOLERANCE = 1e-5
 
 
 def gradient_error(arch: Architecture, jit_compile: bool,
                    shape: Shape = Shape()) -> float | None:
     """The wrapped fit step's gradients against the stock one's, in a fresh process: both
-    models built from the same seed, in float64, take one ``train_on_batch`` step with an
-    optimizer that records each gradient instead of applying it (:func:`_recording_sgd`).
+    models built from the same seed, in float64 where the architecture builds in it, take one
+    ``train_on_batch`` step with an optimizer that records each gradient instead of applying
+    it (:func:`_recording_sgd`).
 
     In float64 because float32 cannot tell: T5's freshly initialized attention kernels get
     gradients near 1e-6 out of sums that cancel, and the stock step compiled with and without
     XLA differs by 3.6e-4 there, more than the wrapped step does (1.3e-4); in float64 the
-    wrapped step's error is 4e-13, and a real error stays as large as it was. The error is the
-    largest over the variables of ``max|ours - stock| / max(max|stock|, floor)``, where the
-    floor, 1e-3 of the largest gradient of any variable, keeps a gradient that is zero by
-    cancellation (an attention key bias) from reading as 100%. ``None`` (and an error
+    wrapped step's error is 4e-13, and a real error stays as large as it was. The tolerance
+    stays float32's (:data:`GRADIENT_TOLERANCE`): some layers compute in float32 whatever the
+    model's dtype (Gemma's RMS norms: 6e-7 under XLA), and Qwen3-MoE checks in float32. The
+    error is the largest over the variables of ``max|ours - stock| / max(max|stock|, floor)``,
+    where the floor, 1e-3 of the largest gradient of any variable, keeps a gradient that is
+    zero by cancellation (an attention key bias) from reading as 100%. ``None`` (and an error
     logged) where the check failed to run."""
     request = {"architecture": arch.key, "methods": [m for m, _ in METHODS],
                "jit_compile": jit_compile, "measure": "gradients",
@@ -296,7 +305,7 @@ def _measure_here(request: dict) -> dict:
     measure_lib.reserve_cpu_heap()
     arch, shape = architecture(request["architecture"]), Shape(**request["shape"])
     checking = request["measure"] == "gradients"
-    if checking:
+    if checking and arch.float64:
         import keras  # pylint: disable=import-outside-toplevel
         keras.config.set_floatx("float64")  # see gradient_error
     steps, recorded = [], []
@@ -357,9 +366,10 @@ TABLE_NOTES = (
     "allocator's, above what is resident before the step, each cell a fresh process, the "
     f"median of {PEAK_RUNS} steps. time: the wrapped model's step against the stock one's, "
     "both stepping in turns in one process (median). grad err: the wrapped step's gradients "
-    "against the stock step's (same seed, same batch, both in float64), the largest over the variables of the "
-    "maximum difference over the stock gradient's maximum (floored at 1e-3 of the largest "
-    "gradient, for gradients that are zero by cancellation).")
+    "against the stock step's (same seed, same batch, both in float64; Qwen3-MoE in float32), "
+    "the largest over the variables of the maximum difference over the stock gradient's "
+    "maximum (floored at 1e-3 of the largest gradient, for gradients that are zero by "
+    f"cancellation); above {GRADIENT_TOLERANCE:g} fails the benchmark.")
 
 
 if __name__ == "__main__":
