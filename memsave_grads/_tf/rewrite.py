@@ -122,6 +122,12 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
             _give_own_functions(new)
             record_on_tapes(new)
             copies[op] = new
+    # The waiting stand-ins belong to the copied region: a nested level copies these copies
+    # again, and its copies must read copies of the stand-ins. Read as they are, a stand-in
+    # would sit between the nested level's boundary and its copy, outside the nested
+    # tf.gradients call's sources, and the partial of what it waits on would be lost (None
+    # gradients under XLA; design note "ordering under XLA").
+    copies.update((t.op, t.op) for t in waiting.values())
     return copies
 
 
