@@ -43,7 +43,8 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
              replay: Callable | None = None) -> dict[tf.Operation, tf.Operation]:
     """Copy ``ops`` (topologically ordered, one graph) and return ``{original: copy}``, plus
     ``{op: op}`` for the few helper ops made along the way (identities that delay a While
-    copy's inputs), so that the values of the mapping are the whole copied region.
+    copy's inputs, the stand-ins that wait for ``arrival``), so that the values of the mapping
+    are the whole copied region.
 
     The copies go into ``graph`` (default: the ops' own graph). Into another graph (the
     backward body of a loop), inputs from the ops' graph are captured by that function graph,
