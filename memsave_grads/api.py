@@ -416,8 +416,7 @@ def prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs,
         ctx = selection.SelectionContext(graph=graph, region=region, xs=xs, ys=ys,
                                          must_keep=must_keep,
                                          gradients_held=_GRADIENTS_HELD.get(),
-                                         recomputed_loops=recomputed_loops,
-                                         xla=ordering.xla_in_effect(graph))
+                                         recomputed_loops=recomputed_loops)
         # No forward op between xs and ys (ys do not depend on xs): nothing to choose; the
         # gradients are None (or zeros), as tf.gradients gives.
         plan = (selection.make_plan(ctx, parsed) if select and region

@@ -43,7 +43,8 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
              replay: Callable | None = None) -> dict[tf.Operation, tf.Operation]:
     """Copy ``ops`` (topologically ordered, one graph) and return ``{original: copy}``, plus
     ``{op: op}`` for the few helper ops made along the way (identities that delay a While
-    copy's inputs), so that the values of the mapping are the whole copied region.
+    copy's inputs, the stand-ins that wait for ``arrival``), so that the values of the mapping
+    are the whole copied region.
 
     The copies go into ``graph`` (default: the ops' own graph). Into another graph (the
     backward body of a loop), inputs from the ops' graph are captured by that function graph,
@@ -122,6 +123,12 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
             _give_own_functions(new)
             record_on_tapes(new)
             copies[op] = new
+    # The waiting stand-ins belong to the copied region: a nested level copies these copies
+    # again, and its copies must read copies of the stand-ins. Read as they are, a stand-in
+    # would sit between the nested level's boundary and its copy, outside the nested
+    # tf.gradients call's sources, and the partial of what it waits on would be lost (None
+    # gradients under XLA; design note "ordering under XLA").
+    copies.update((t.op, t.op) for t in waiting.values())
     return copies
 
 

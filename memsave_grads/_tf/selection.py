@@ -51,9 +51,6 @@ class SelectionContext:
     #: op -> ``loops.LoopPlan``): the model counts what they store so; the rewrite replaces
     #: their bodies before it runs.
     recomputed_loops: dict = dataclasses.field(default_factory=dict)
-    #: XLA compiles the step (``ordering.xla_in_effect``): plans stay single-level there, as
-    #: nested levels' rewrite is not exact under XLA yet (design note "memory under XLA").
-    xla: bool = False
     _model: graph_lib.ForwardGraph | None = None
     _plain_model: graph_lib.ForwardGraph | None = None
     _workspace: list[int] | None = None
@@ -211,8 +208,7 @@ def select_memory(ctx: SelectionContext) -> plan_lib.Plan:
     plan that recomputes least at that peak (solvers.memory_plan); works through skip
     connections of any DAG."""
     candidates, must_keep, not_replayed = ctx.node_sets()
-    plan = solvers.memory_plan(ctx.model, must_keep, candidates, not_replayed,
-                               nested=not ctx.xla)
+    plan = solvers.memory_plan(ctx.model, must_keep, candidates, not_replayed)
     if plan is None and ctx.recomputed_loops:
         # Nothing to cut, but the loops recompute inside (design note "control flow and
         # calls"): the plan keeps what is kept anyway.
@@ -246,16 +242,7 @@ def select_budget(ctx: SelectionContext, budget: budgets.Budget) -> plan_lib.Pla
         graph=model, budget_bytes=budget.resolve_bytes(plain_bytes),
         must_keep=frozenset(must_keep), candidates=frozenset(candidates),
         not_replayed=frozenset(not_replayed), plain_peak_bytes=plain_bytes)
-    plan = solvers.solve(problem, budget.solver)
-    if ctx.xla and plan.levels > 1:
-        # Checked before any op is added; under fallback="warn" tf.gradients computes.
-        raise errors.UnsupportedGraphError(
-            f"checkpoints: {budget.describe()} needs nested levels of recomputation "
-            f"({plan.levels} deep) on this graph, and under XLA (jit_compile) their rewrite "
-            "does not give exact gradients yet (design note \"memory under XLA\"). Use "
-            "checkpoints='memory' (single-level under XLA), a larger budget, or compile "
-            "without XLA.")
-    return plan
+    return solvers.solve(problem, budget.solver)
 
 
 #: Each strategy returns the ops to keep, or (planners) a whole plan.
@@ -361,7 +348,7 @@ def _plan_key(ctx: SelectionContext, checkpoints: ParsedCheckpoints):
     strategy = repr(budget) if budget is not None else checkpoints.strategy
     plain = (graph_lib.without_memo(ctx.plain_model)
              if budget is not None and ctx.plain_model is not ctx.model else None)
-    return (graph_lib.without_memo(ctx.model), plain, strategy, ctx.xla, tuple(candidates),
+    return (graph_lib.without_memo(ctx.model), plain, strategy, tuple(candidates),
             tuple(sorted(must_keep)), tuple(sorted(not_replayed)))
 
 
