@@ -21,6 +21,14 @@ def _reference_fits(scorer, kept):
     return scorer(kept)[1] <= scorer.problem.budget_bytes
 
 
+_FAST_SCORE = fast_replay.FastReplay.score
+
+
+def _reference_score(replayer, kept, costs=None, stop_above_bytes=None):
+    """FastReplay.score replaying every phase, whatever bound the caller gives."""
+    return _FAST_SCORE(replayer, kept, costs)
+
+
 def _fresh(problem):
     """The problem on a model without the caches a run left on it (``graph.memo``)."""
     return dataclasses.replace(problem, graph=graph_lib.without_memo(problem.graph))
@@ -41,6 +49,7 @@ def _both(run, problem, monkeypatch):
     fast = _outcome(run, problem)
     with monkeypatch.context() as patched:
         patched.setattr(problem_lib.Scorer, "fits", _reference_fits)
+        patched.setattr(fast_replay.FastReplay, "score", _reference_score)
         reference = _outcome(run, problem)
     return fast, reference
 

@@ -281,13 +281,26 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     if not candidates_to_replay:
         return None
 
-    plans = []
     replayer = fast_replay.replayer(graph, not_replayed)
     # Expensive ops weigh more: among plans of equal peak, recompute the cheap ones.
     weights = np.asarray([EXPENSIVE_RECOMPUTE_WEIGHT if graph.is_expensive(v) else 1
                           for v in range(n)], dtype=np.float64)
-    for cuts, (_, cap_bytes, kept, tapered) in candidates_to_replay.items():
-        peak, cost = replayer.score(kept, weights)
+    # Replayed best estimate first; a replay stops once its peak passes EQUAL_PEAK_FACTOR
+    # times the lowest peak so far: such a plan is neither the lowest nor within 2% of it,
+    # so it cannot be chosen, and the choice below is the one full replays give (design
+    # note "planning cost").
+    entries = list(candidates_to_replay.items())
+    scores: dict[int, tuple[int, float]] = {}
+    lowest_peak = None
+    for index in sorted(range(len(entries)), key=lambda i: entries[i][1][0]):
+        bound = None if lowest_peak is None else int(EQUAL_PEAK_FACTOR * lowest_peak)
+        scores[index] = peak, _ = replayer.score(entries[index][1][2], weights,
+                                                 stop_above_bytes=bound)
+        if bound is None or peak <= bound:
+            lowest_peak = peak if lowest_peak is None else min(lowest_peak, peak)
+    plans = []
+    for index, (cuts, (_, cap_bytes, kept, tapered)) in enumerate(entries):
+        peak, cost = scores[index]
         cap_text = budgets.format_bytes(cap_bytes, 'MiB')
         between = (f"segments retaining at most {cap_text} less what the cuts before them keep"
                    if tapered else f"at most {cap_text} recomputed between cuts")
