@@ -192,21 +192,26 @@ def close_segments(graph: ForwardGraph, kept: Iterable[int], members: Iterable[i
         inside, sink_set = set(members), set(sinks or ())
         order = sorted(inside, reverse=True)
     owner: list[int | None] = [None] * graph.num_nodes
+    feeds_sink = graph.feeds_sink
     for v in order:
         if v in kept:
             continue
-        is_sink = graph.feeds_sink[v] if sink_set is None else v in sink_set
-        owners = {top} if is_sink else set()
+        # The first owner among the sink and v's readers; a second, different one: two owners.
+        first = top if (feeds_sink[v] if sink_set is None else v in sink_set) else None
+        shared = False
         for c in consumers[v]:
             if inside is not None and c not in inside:
                 continue
-            owners.add(c if c in kept else owner[c])
-            if len(owners) > 1:
+            o = c if c in kept else owner[c]
+            if first is None:
+                first = o
+            elif o != first:
+                shared = True
                 break
-        if len(owners) > 1:
+        if shared:
             kept.add(v)
         else:
-            owner[v] = owners.pop() if owners else top
+            owner[v] = top if first is None else first
     return kept
 
 
