@@ -190,10 +190,16 @@ def test_greedy_is_optimal_on_a_chain(greedy_vs_optimum):
 
 
 def _counting_scores(monkeypatch) -> list:
-    """Patches ``problem.score`` to record each plan scored; returns the record."""
+    """Patches ``problem.score`` to record each plan scored, once (a probe stopped over the
+    budget and scored in full later is one plan: ``Scorer.over_budget``); returns the record."""
     scored, score = [], problem_lib.score
-    monkeypatch.setattr(problem_lib, "score",
-                        lambda problem, kept: scored.append(kept) or score(problem, kept))
+
+    def recording(problem, kept, **options):
+        if kept not in scored:
+            scored.append(kept)
+        return score(problem, kept, **options)
+
+    monkeypatch.setattr(problem_lib, "score", recording)
     return scored
 
 

@@ -151,11 +151,19 @@ class FastReplay:
         plans are; the full replay otherwise)."""
         return self.score(kept)[0]
 
-    def score(self, kept: Iterable[int], costs: np.ndarray | None = None) -> tuple[int, float]:
+    def score(self, kept: Iterable[int], costs: np.ndarray | None = None,
+              stop_above_bytes: int | None = None) -> tuple[int, float]:
         """(peak, recompute cost) of the single-level schedule of ``kept``: the
         peak of memory_model.replay and the cost of ``problem.score``, the sum of ``costs``
         (default: ``ForwardGraph.cost_of``) over every node a segment recomputes that is not
-        kept itself (``Schedule.recomputed_nodes``)."""
+        kept itself (``Schedule.recomputed_nodes``).
+
+        ``stop_above_bytes``: a caller that only asks whether the plan fits under it (a
+        budget solver's probe) gets the peak so far as soon as it passes that, without the
+        phases left: a peak only rises, so the answer is the same, and a plan that does not
+        fit mostly shows it at the top segment or the first level (see design note
+        "planning cost"). The peak returned is then a lower bound of the replay's, above
+        ``stop_above_bytes``; a plan that fits always gets the replay's own."""
         kept = frozenset(kept)
         owned = self.owners(kept) if self.phases_exact else None
         if owned is None:
@@ -169,9 +177,14 @@ class FastReplay:
         weights = self.costs if costs is None else costs
         cost = float(weights[(owner_array >= 0) & ~kept_mask].sum())
         live, peak = self.forward_sweep(kept_mask, in_top)
+        over = stop_above_bytes if stop_above_bytes is not None else np.inf
+        if peak > over:
+            return int(peak), cost
         top = np.flatnonzero(in_top)
         top_peak, top_delta, grads = self._top(top)
         peak = max(peak, live + top_peak)
+        if peak > over:
+            return int(peak), cost
         live += top_delta
         grads = set(grads)
         by_level: dict[int, list[int]] = {}
@@ -190,6 +203,8 @@ class FastReplay:
             arrived = tuple(p for p in external if p in grads)
             level_peak, level_delta, after = self._level(recomputed, active, external, arrived)
             peak = max(peak, live + level_peak)
+            if peak > over:
+                return int(peak), cost
             live += level_delta
             grads.difference_update(recomputed)
             grads.difference_update(active)

@@ -153,6 +153,41 @@ class ForwardGraph:
                 out[p].append(node)
         return out
 
+    @functools.cached_property
+    def facts(self) -> "NodeFacts":
+        """The per-node answers of the methods above, as lists, made once per model: the
+        memory model's steps read them hundreds of thousands of times in a search (design
+        note "planning cost"). Do not mutate."""
+        n = self.num_nodes
+        consumers = self.consumers()
+        return NodeFacts(
+            unique_inputs=[tuple(sorted(set(preds))) for preds in self.inputs],
+            gradient_readers=[[c for c in consumers[v] if self.gradient_reads_input(c, v)]
+                              for v in range(n)],
+            reads_output=[self.gradient_reads_output(v) for v in range(n)],
+            forwards=[self.forwards_buffer(v) for v in range(n)],
+            carries=[self.carries_gradient(v) for v in range(n)],
+            buffer_bytes=[0 if self.is_view(v) else self.size_bytes[v] for v in range(n)],
+            params=[self.params_of(v) for v in range(n)],
+            internal=[self.internal_saved(v) for v in range(n)])
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeFacts:
+    """:attr:`ForwardGraph.facts`: for each node, its distinct inputs (ascending), the readers
+    whose gradient reads it (ascending), whether its gradient reads its output, whether it
+    forwards a buffer, whether it carries a gradient, the bytes it allocates unless kept (0
+    for a view), its variables' bytes, its internal saved bytes."""
+
+    unique_inputs: list
+    gradient_readers: list
+    reads_output: list
+    forwards: list
+    carries: list
+    buffer_bytes: list
+    params: list
+    internal: list
+
 
 def memo(graph: ForwardGraph) -> dict:
     """A dictionary that lives as long as ``graph``, for what the planners compute once per
@@ -192,21 +227,26 @@ def close_segments(graph: ForwardGraph, kept: Iterable[int], members: Iterable[i
         inside, sink_set = set(members), set(sinks or ())
         order = sorted(inside, reverse=True)
     owner: list[int | None] = [None] * graph.num_nodes
+    feeds_sink = graph.feeds_sink
     for v in order:
         if v in kept:
             continue
-        is_sink = graph.feeds_sink[v] if sink_set is None else v in sink_set
-        owners = {top} if is_sink else set()
+        # The first owner among the sink and v's readers; a second, different one: two owners.
+        first = top if (feeds_sink[v] if sink_set is None else v in sink_set) else None
+        shared = False
         for c in consumers[v]:
             if inside is not None and c not in inside:
                 continue
-            owners.add(c if c in kept else owner[c])
-            if len(owners) > 1:
+            o = c if c in kept else owner[c]
+            if first is None:
+                first = o
+            elif o != first:
+                shared = True
                 break
-        if len(owners) > 1:
+        if shared:
             kept.add(v)
         else:
-            owner[v] = owners.pop() if owners else top
+            owner[v] = top if first is None else first
     return kept
 
 

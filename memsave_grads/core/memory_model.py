@@ -236,20 +236,24 @@ def retained_bytes(graph: graph_lib.ForwardGraph) -> list[int]:
 
 def backward_readers(graph, consumers, members) -> tuple[dict, dict]:
     """Which outputs the backward pass over ``members`` reads, and after which step it may
-    free them: the last of its readers in reverse order, i.e. the lowest-numbered one."""
+    free them: the last of its readers in reverse order, i.e. the lowest-numbered one.
+    (``consumers``: ``graph.consumers()``, whose readers that read each node are
+    ``graph.facts.gradient_readers``.)"""
     members = list(members)
     member_set = set(members)
+    facts = graph.facts
+    gradient_readers, reads_output, feeds_sink = (facts.gradient_readers, facts.reads_output,
+                                                  graph.feeds_sink)
     release_at: dict[int, list[int]] = collections.defaultdict(list)
     retained = {}
     for v in members:
-        readers = [c for c in consumers[v]
-                   if c in member_set and graph.gradient_reads_input(c, v)]
-        if graph.gradient_reads_output(v):
+        readers = [c for c in gradient_readers[v] if c in member_set]
+        if reads_output[v]:
             readers.append(v)
-        retained[v] = bool(readers) or graph.feeds_sink[v]
+        retained[v] = bool(readers) or feeds_sink[v]
         if readers:
             release_at[min(readers)].append(v)
-        elif graph.feeds_sink[v]:
+        elif feeds_sink[v]:
             release_at[v].append(v)
     return release_at, retained
 
@@ -268,29 +272,36 @@ def forward_sweep(graph, order, consumers, retained, ledger, kept, differentiate
     order = list(order)
     member_set = set(order)
     differentiated = set(differentiated)
+    facts = graph.facts
+    unique_inputs, forwards, internal = facts.unique_inputs, facts.forwards, facts.internal
+    size_bytes, unkept_bytes = graph.size_bytes, facts.buffer_bytes
     pending = {v: sum(1 for c in consumers[v] if c in member_set) for v in order}
     for v in order:
-        if v in differentiated and graph.internal_saved(v) and inside is not None:
-            ledger.alloc(graph.internal_saved(v))
+        if internal[v] and v in differentiated and inside is not None:
+            ledger.alloc(internal[v])
             inside.add(v)
         if v in exposing:
             ledger.alloc(graph.exposed(v))
-        size = _buffer_bytes(graph, v, kept)
+        size = size_bytes[v] if v in kept else unkept_bytes[v]  # _buffer_bytes
         done = []  # inputs whose last reader is v
-        for p in sorted(set(graph.inputs[v])):
+        for p in unique_inputs[v]:
             if p in pending:
                 pending[p] -= 1
                 if pending[p] == 0 and not retained[p]:
                     done.append(p)
         # An elementwise op writes into an input nothing else holds (design note "memory
         # model"): no new buffer, and that input's is not freed.
-        donor = next((p for p in done if size and graph.forwards_buffer(v)
-                      and _buffer_bytes(graph, p, kept) == size), None)
+        donor = None
+        if size and forwards[v]:
+            for p in done:
+                if (size_bytes[p] if p in kept else unkept_bytes[p]) == size:
+                    donor = p
+                    break
         if donor is None:
             ledger.alloc(size)
         for p in done:
             if p != donor:
-                ledger.free(_buffer_bytes(graph, p, kept))
+                ledger.free(size_bytes[p] if p in kept else unkept_bytes[p])
         if pending[v] == 0 and not retained[v]:
             ledger.free(size)
 
@@ -303,31 +314,34 @@ def backward_step(graph, v, grads: set, ledger, release_at,
     pass where the optimizer applies them together), free its own gradient, what it kept
     inside (``inside``) and the outputs no later step reads. Partials for kept nodes stay in
     ``grads`` until their level."""
+    facts = graph.facts
     if v in grads or graph.feeds_sink[v]:
+        size_bytes, carries = graph.size_bytes, facts.carries
         # An elementwise op's gradient kernel writes one input's gradient into its own buffer.
-        reuse = v in grads and graph.forwards_buffer(v)
-        for p in sorted(set(graph.inputs[v])):
-            if p not in grads and graph.size_bytes[p] and graph.carries_gradient(p):
+        reuse = v in grads and facts.forwards[v]
+        for p in facts.unique_inputs[v]:
+            if p not in grads and size_bytes[p] and carries[p]:
                 grads.add(p)
-                if reuse and graph.size_bytes[p] == graph.size_bytes[v]:
+                if reuse and size_bytes[p] == size_bytes[v]:
                     reuse = False
                     grads.discard(v)  # its buffer now holds p's gradient
                     continue
-                ledger.alloc(graph.size_bytes[p])
+                ledger.alloc(size_bytes[p])
         # The variables' gradients stay when they are held for the optimizer (until after this
         # pass), else they are a spike with their updates' copies (variable_step_bytes).
-        held = graph.params_of(v) if graph.gradients_held else 0
+        params = facts.params[v]
+        held = params if graph.gradients_held else 0
         ledger.alloc(held)
-        spike = variable_step_bytes(graph, v) - held
+        spike = (1 if graph.gradients_held else VARIABLE_UPDATE_FACTOR) * params - held
         if workspace_bytes:
             spike += workspace_bytes[v]
         ledger.alloc(spike)
         ledger.free(spike)
         if v in grads:
             grads.discard(v)
-            ledger.free(graph.size_bytes[v])
+            ledger.free(size_bytes[v])
     if inside is not None and v in inside:
         inside.discard(v)
-        ledger.free(graph.internal_saved(v))
+        ledger.free(facts.internal[v])
     for u in release_at.get(v, ()):
-        ledger.free(_buffer_bytes(graph, u, ()))
+        ledger.free(facts.buffer_bytes[u])

@@ -41,8 +41,7 @@ CAP_GRID_POINTS = 24
 SIMULATED_PLANS = 6
 
 
-def _greedy_cuts(graph, uses, ends_at, allowed, cap_bytes: int,
-                 segment_bytes: Sequence[int], tapered: bool = False) -> list[int]:
+def _greedy_cuts(search: "CutSearch", cap_bytes: int, tapered: bool = False) -> list[int]:
     """Chen et al.'s budget walk on the live frontier.
 
     Walk the topological order accumulating ``segment_bytes`` of the nodes a segment would
@@ -55,40 +54,47 @@ def _greedy_cuts(graph, uses, ends_at, allowed, cap_bytes: int,
     segment near the inputs may be longer than one near the ``ys`` (see design note "tapered
     cuts").
     """
-    n = graph.num_nodes
-    size = graph.size_bytes
+    n = search.graph.num_nodes
+    size = search.graph.size_bytes
+    # The walk's per-position numbers, made once per search (CutSearch.__init__).
+    counted = search.retained_bytes if tapered else search.counted_segment_bytes
+    opened, factor, ends_at, allowed = (search.opened_bytes, search.tie_factor,
+                                        search.ends_at, search.allowed)
     cuts = []
     prev = -1
     held = 0
     while True:
         run = new = 0
         cap = cap_bytes - held if tapered else cap_bytes
+        # The best position so far (the lowest score, the later position among equal ones:
+        # positions only grow), and the best in the window's second half.
         best = best_late = None
+        best_new = best_late_new = 0
+        best_score = best_late_score = 0.0
         p = prev + 1
         while p < n:
-            run += segment_bytes[p] if uses[p] >= 0 else 0
-            if uses[p] > p:
-                new += size[p]
+            run += counted[p]
+            new += opened[p]
             for v in ends_at[p]:
-                if v > prev and v != p:
+                if v > prev:
                     new -= size[v]
             if run > cap and (best is not None or best_late is not None):
                 break
             if allowed[p]:
-                score = new * (EXPENSIVE_TIE_FACTOR if graph.is_expensive(p) else 1.0)
-                entry = (score, -p, new)
-                if best is None or entry <= best:
-                    best = entry
-                if 2 * run >= cap and (best_late is None or entry <= best_late):
-                    best_late = entry
+                score = new * factor[p]
+                if best is None or score <= best_score:
+                    best, best_score, best_new = p, score, new
+                if 2 * run >= cap and (best_late is None or score <= best_late_score):
+                    best_late, best_late_score, best_late_new = p, score, new
                 if run > cap:
                     break
             p += 1
         if p >= n:  # the rest fits under the cap: it is the top segment
             return cuts
-        _, minus_chosen, chosen_new_bytes = best_late or best
-        cuts.append(-minus_chosen)
-        prev = -minus_chosen
+        chosen, chosen_new_bytes = ((best_late, best_late_new) if best_late is not None
+                                    else (best, best_new))
+        cuts.append(chosen)
+        prev = chosen
         held += chosen_new_bytes
 
 
@@ -139,6 +145,15 @@ class CutSearch:
             self.allowed.append(open_bad == 0 and self.uses[p] > p and p < n - 1)
         self.segment_bytes = _segment_bytes(graph)
         counted = [s if self.uses[v] >= 0 else 0 for v, s in enumerate(self.segment_bytes)]
+        #: What the budget walk (:func:`_greedy_cuts`) reads at each position, made once for
+        #: its tens of walks: the bytes a segment accumulates (0 for a node no one reads),
+        #: the bytes the frontier gains (a node read later), the near-tie factor of an
+        #: expensive op; beside ``ends_at`` (the nodes whose last reader it is: never the
+        #: node itself, whose readers come after it).
+        self.counted_segment_bytes = counted
+        self.opened_bytes = [graph.size_bytes[p] if self.uses[p] > p else 0 for p in range(n)]
+        self.tie_factor = [EXPENSIVE_TIE_FACTOR if graph.is_expensive(p) else 1.0
+                           for p in range(n)]
         self.total_bytes = sum(counted)
         self.largest_bytes = max(counted, default=0)
         self.cumulative = list(itertools.accumulate(counted))
@@ -178,9 +193,7 @@ class CutSearch:
         "tapered cuts")."""
         key = (cap_bytes, tapered)
         if key not in self._cuts:
-            self._cuts[key] = tuple(_greedy_cuts(
-                self.graph, self.uses, self.ends_at, self.allowed, cap_bytes,
-                self.retained_bytes if tapered else self.segment_bytes, tapered=tapered))
+            self._cuts[key] = tuple(_greedy_cuts(self, cap_bytes, tapered=tapered))
         return self._cuts[key]
 
     def kept_for(self, cuts: Iterable[int]) -> set:
@@ -281,13 +294,26 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     if not candidates_to_replay:
         return None
 
-    plans = []
     replayer = fast_replay.replayer(graph, not_replayed)
     # Expensive ops weigh more: among plans of equal peak, recompute the cheap ones.
     weights = np.asarray([EXPENSIVE_RECOMPUTE_WEIGHT if graph.is_expensive(v) else 1
                           for v in range(n)], dtype=np.float64)
-    for cuts, (_, cap_bytes, kept, tapered) in candidates_to_replay.items():
-        peak, cost = replayer.score(kept, weights)
+    # Replayed best estimate first; a replay stops once its peak passes EQUAL_PEAK_FACTOR
+    # times the lowest peak so far: such a plan is neither the lowest nor within 2% of it,
+    # so it cannot be chosen, and the choice below is the one full replays give (design
+    # note "planning cost").
+    entries = list(candidates_to_replay.items())
+    scores: dict[int, tuple[int, float]] = {}
+    lowest_peak = None
+    for index in sorted(range(len(entries)), key=lambda i: entries[i][1][0]):
+        bound = None if lowest_peak is None else int(EQUAL_PEAK_FACTOR * lowest_peak)
+        scores[index] = peak, _ = replayer.score(entries[index][1][2], weights,
+                                                 stop_above_bytes=bound)
+        if bound is None or peak <= bound:
+            lowest_peak = peak if lowest_peak is None else min(lowest_peak, peak)
+    plans = []
+    for index, (cuts, (_, cap_bytes, kept, tapered)) in enumerate(entries):
+        peak, cost = scores[index]
         cap_text = budgets.format_bytes(cap_bytes, 'MiB')
         between = (f"segments retaining at most {cap_text} less what the cuts before them keep"
                    if tapered else f"at most {cap_text} recomputed between cuts")

@@ -123,7 +123,7 @@ def solve_greedy(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
         _greedy_search(problem, scorer, dp_seeds=True)
     except problem_lib.OutOfPlans:
         _LOG.debug("memsave_grads: greedy: %d plans scored, the best so far stands",
-                   len(scorer.cache))
+                   scorer.scored)
     return scorer.plan("greedy", started)
 
 
@@ -144,7 +144,7 @@ def cheapest_within(problem: problem_lib.BudgetProblem, kept: frozenset
         _greedy_search(problem, scorer, dp_seeds=False)
     except problem_lib.OutOfPlans:
         _LOG.debug("memsave_grads: refining the plan: %d plans scored, best so far",
-                   len(scorer.cache))
+                   scorer.scored)
     return scorer.best or start, start
 
 

@@ -64,12 +64,15 @@ class BudgetProblem:
         return dataclasses.replace(self, budget_bytes=int(budget_bytes))
 
 
-def score(problem: BudgetProblem, kept: Iterable[int]) -> tuple[frozenset, int, float]:
+def score(problem: BudgetProblem, kept: Iterable[int],
+          stop_above_bytes: int | None = None) -> tuple[frozenset, int, float]:
     """Close ``kept`` (single ownership, ``must_keep`` added) and return it with its predicted
     peak and recompute cost (the replay's, through ``fast_replay``: the same numbers, a plan
-    in a few milliseconds on thousands of ops; design note "planning cost")."""
+    in a few milliseconds on thousands of ops; design note "planning cost").
+    ``stop_above_bytes``: as in ``FastReplay.score`` (a peak above it may be a lower bound)."""
     closed = frozenset(graph_lib.close_segments(problem.graph, set(kept) | problem.must_keep))
-    peak, cost = fast_replay.replayer(problem.graph, problem.not_replayed).score(closed)
+    peak, cost = fast_replay.replayer(problem.graph, problem.not_replayed).score(
+        closed, stop_above_bytes=stop_above_bytes)
     return closed, peak, cost
 
 
@@ -128,24 +131,56 @@ class Scorer:
     def __init__(self, problem: BudgetProblem, max_plans: int | float = math.inf):
         self.problem = problem
         self.max_plans = max_plans
+        #: Plans scored in full: kept (as asked) -> (closed kept set, peak, cost).
         self.cache: dict[frozenset, tuple[frozenset, int, float]] = {}
+        #: Plans that :meth:`fits` found over the budget before their replay ended (their
+        #: peak is not known exactly): scored all the same, they count towards ``max_plans``,
+        #: so the search scores the plans it scored before (design note "planning cost").
+        self.over_budget: set[frozenset] = set()
         self.best: tuple[frozenset, int, float] | None = None
+
+    @property
+    def scored(self) -> int:
+        """How many distinct plans were scored (in full or until they passed the budget)."""
+        return len(self.cache) + len(self.over_budget)
+
+    def _count_new_plan(self) -> None:
+        if self.best is not None and self.scored >= self.max_plans:
+            raise OutOfPlans()
+
+    def _record(self, key: frozenset, result: tuple[frozenset, int, float]) -> None:
+        self.cache[key] = result
+        _, peak, cost = result
+        if peak <= self.problem.budget_bytes and (
+                self.best is None or (cost, peak) < (self.best[2], self.best[1])):
+            self.best = result
 
     def __call__(self, kept) -> tuple[frozenset, int, float]:
         key = frozenset(kept)
         if key not in self.cache:
-            if self.best is not None and len(self.cache) >= self.max_plans:
-                raise OutOfPlans()
-            result = score(self.problem, key)
-            self.cache[key] = result
-            closed, peak, cost = result
-            if peak <= self.problem.budget_bytes and (
-                    self.best is None or (cost, peak) < (self.best[2], self.best[1])):
-                self.best = result
+            if key in self.over_budget:  # counted when fits() scored it
+                self.over_budget.discard(key)
+            else:
+                self._count_new_plan()
+            self._record(key, score(self.problem, key))
         return self.cache[key]
 
     def fits(self, kept) -> bool:
-        return self(kept)[1] <= self.problem.budget_bytes
+        """Whether the plan's predicted peak fits the budget: the replay stops once its peak
+        passes the budget (``FastReplay.score``'s ``stop_above_bytes``), the same answer."""
+        key = frozenset(kept)
+        budget = self.problem.budget_bytes
+        if key in self.cache:
+            return self.cache[key][1] <= budget
+        if key in self.over_budget:
+            return False
+        self._count_new_plan()
+        result = score(self.problem, key, stop_above_bytes=budget)
+        if result[1] > budget:
+            self.over_budget.add(key)
+            return False
+        self._record(key, result)
+        return True
 
     def plan(self, solver: str, started: float, optimal: bool = False) -> plan_lib.Plan:
         if self.best is None:

@@ -1,0 +1,105 @@
+"""The shortcuts that make planning cheap (design note "planning cost") give the plans of the
+reference computation they replace: the same kept set, predicted peak and cost."""
+
+import dataclasses
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memsave_grads import errors
+from memsave_grads.core import fast_replay
+from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import solvers
+from memsave_grads.core.solvers import problem as problem_lib
+from strategies import dags, random_problem
+
+
+def _reference_fits(scorer, kept):
+    """Scorer.fits as it was: the full replay of every probe."""
+    return scorer(kept)[1] <= scorer.problem.budget_bytes
+
+
+_FAST_SCORE = fast_replay.FastReplay.score
+
+
+def _reference_score(replayer, kept, costs=None, stop_above_bytes=None):
+    """FastReplay.score replaying every phase, whatever bound the caller gives."""
+    return _FAST_SCORE(replayer, kept, costs)
+
+
+def _fresh(problem):
+    """The problem on a model without the caches a run left on it (``graph.memo``)."""
+    return dataclasses.replace(problem, graph=graph_lib.without_memo(problem.graph))
+
+
+def _outcome(run, problem):
+    """What a solver run gives: its plan's numbers, or the smallest peak its error states."""
+    try:
+        plan = run(_fresh(problem))
+    except errors.InfeasibleBudgetError as e:
+        return ("infeasible", e.min_feasible_bytes)
+    if plan is None:
+        return None
+    return (frozenset(plan.kept), plan.predicted_peak_bytes, plan.recompute_cost, plan.levels)
+
+
+def _both(run, problem, monkeypatch):
+    fast = _outcome(run, problem)
+    with monkeypatch.context() as patched:
+        patched.setattr(problem_lib.Scorer, "fits", _reference_fits)
+        patched.setattr(fast_replay.FastReplay, "score", _reference_score)
+        reference = _outcome(run, problem)
+    return fast, reference
+
+
+def _memory(problem):
+    return solvers.memory_plan(problem.graph, problem.must_keep, problem.candidates,
+                               problem.not_replayed)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_solvers_plan_as_the_reference_on_random_graphs(seed, monkeypatch):
+    problem = random_problem(seed, low=20, high=60)
+    plain = fast_replay.plain_peak_bytes(problem.graph)
+    fast, reference = _both(_memory, problem, monkeypatch)
+    assert fast == reference
+    for fraction in (0.9, 0.6, 0.4):
+        budgeted = problem.with_budget(int(fraction * plain))
+        fast, reference = _both(solvers.solve_greedy, budgeted, monkeypatch)
+        assert fast == reference, fraction
+
+
+@settings(max_examples=60, deadline=None)
+@given(graph=dags(min_nodes=8, max_nodes=40, gradient_flags=True),
+       fraction=st.floats(0.3, 1.0))
+def test_the_solvers_plan_as_the_reference_on_any_dag(graph, fraction):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        problem = problem_lib.BudgetProblem(graph, 0)
+        fast, reference = _both(_memory, problem, monkeypatch)
+        assert fast == reference
+        budgeted = problem.with_budget(int(fraction * fast_replay.plain_peak_bytes(graph)))
+        fast, reference = _both(solvers.solve_greedy, budgeted, monkeypatch)
+        assert fast == reference
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_probe_stops_above_its_bound_with_a_lower_bound(seed):
+    """``stop_above_bytes``: the replay's own peak where the plan fits under it; else a peak
+    above it and not above the replay's."""
+    problem = random_problem(seed, low=30, high=60)
+    graph = problem.graph
+    rng = random.Random(seed)
+    for _ in range(10):
+        kept = {v for v in problem.candidates if rng.random() < 0.3} | problem.must_keep
+        kept = frozenset(graph_lib.close_segments(graph, kept))
+        exact = fast_replay.FastReplay(graph, problem.not_replayed).score(kept)
+        for bound in (exact[0] - 1, exact[0] // 2, exact[0], exact[0] + 1):
+            probed = fast_replay.FastReplay(graph, problem.not_replayed).score(
+                kept, stop_above_bytes=bound)
+            assert probed[1] == exact[1]
+            if exact[0] <= bound:
+                assert probed[0] == exact[0]
+            else:
+                assert bound < probed[0] <= exact[0]
