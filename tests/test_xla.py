@@ -217,12 +217,17 @@ def test_plain_graphs_keep_identities():
         x = tf.compat.v1.placeholder(tf.float32, [4, 8])
         mg.gradients(tf.reduce_sum(tanh_layers(x, 20)), [x], checkpoints="memory")
     assert not [op for op in graph.get_operations() if "after_gradient" in op.name]
-    assert not [op for op in graph.get_operations() if op.type == "XlaOptimizationBarrier"]
+    assert not [op for op in graph.get_operations() if "materialized" in op.name]
 
 
-def test_barriers_only_where_xla_certainly_compiles():
-    """An ``XlaOptimizationBarrier`` has no kernel outside XLA: under auto-clustering alone,
-    which may leave it out of every cluster, the copies wait through dataflow only."""
+def _conditionals(graph):
+    return [op for op in graph.get_operations()
+            if op.type in ("If", "StatelessIf") and "materialized" in op.name]
+
+
+def test_checkpoints_are_materialized_only_where_xla_certainly_compiles():
+    """Outside XLA, and under auto-clustering alone (which may leave the conditional out of
+    every cluster, where it would only copy), the copies wait through dataflow only."""
     assert not ordering.compiled_by_xla(tf.Graph())
     tf.config.optimizer.set_jit(True)
     try:
@@ -232,8 +237,7 @@ def test_barriers_only_where_xla_certainly_compiles():
             x = tf.compat.v1.placeholder(tf.float32, [4, 8])
             mg.gradients(tf.reduce_sum(tanh_layers(x, 20)), [x], checkpoints="memory")
         assert [op for op in graph.get_operations() if "after_gradient" in op.name]
-        assert not [op for op in graph.get_operations()
-                    if op.type == "XlaOptimizationBarrier"]
+        assert not _conditionals(graph)
     finally:
         tf.config.optimizer.set_jit(False)
 
@@ -241,35 +245,28 @@ def test_barriers_only_where_xla_certainly_compiles():
     def step(x):
         return mg.gradients(tf.reduce_sum(tanh_layers(x, 20)), [x], checkpoints="memory")[0]
 
-    graph = step.get_concrete_function(tf.TensorSpec([4, 8], tf.float32)).graph
-    assert [op for op in graph.get_operations() if op.type == "XlaOptimizationBarrier"]
+    assert _conditionals(step.get_concrete_function(tf.TensorSpec([4, 8], tf.float32)).graph)
 
 
-def test_barrier_gradient_is_the_identity_to_second_order():
-    """The gradient registered for ``XlaOptimizationBarrier`` at its first use (TensorFlow
-    has none): through a barrier, first and second derivatives are those without it, bit for
-    bit, and an output nobody reads gets None, as an identity would."""
+def test_materialized_is_exact_to_second_order():
+    """Through ``ordering.materialized``, values, first and second derivatives are those
+    without it, bit for bit, under XLA, whatever the gradient holds (NaN included)."""
     x = tf.constant(np.random.RandomState(7).randn(6, 5))
     y = tf.constant(np.random.RandomState(8).randn(6, 5))
 
-    def derivatives(through_barrier):
+    def derivatives(materialize, gradient):
         @tf.function(jit_compile=True)
         def run(x, y):
-            a, b, _ = (ordering.barrier([x, y, x * 2.0]) if through_barrier else (x, y, None))
+            zero = ordering.gradient_arrival([tf.constant(gradient)])
+            a, b = ordering.materialized([x, y], zero) if materialize else (x, y)
             loss = tf.reduce_sum(tf.sin(a) * b * b)
             gx, gy = original_gradients(loss, [x, y])
-            return gx, gy, original_gradients(tf.reduce_sum(gx * gy), [x])[0]
+            return loss, gx, gy, original_gradients(tf.reduce_sum(gx * gy), [x])[0]
         return [t.numpy() for t in run(x, y)]
 
-    for got, expected in zip(derivatives(True), derivatives(False)):
-        np.testing.assert_array_equal(got, expected)
-
-    @tf.function(jit_compile=True)
-    def unread(x):
-        a, _ = ordering.barrier([x, x + 1.0])
-        return original_gradients(tf.reduce_sum(a), [x])[0]
-
-    np.testing.assert_array_equal(unread(x).numpy(), np.ones([6, 5]))
+    for gradient in ([1.0], [np.nan]):
+        for got, expected in zip(derivatives(True, gradient), derivatives(False, gradient)):
+            np.testing.assert_array_equal(got, expected)
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,16 +486,14 @@ print(json.dumps({"peak": measure.peak_bytes_of(lambda: step().numpy())[0]}))
 """
 
 
-def test_barriers_keep_a_residual_stream_in_its_buffer_where_xla_keeps_them():
+def test_a_kept_residual_sum_is_read_from_its_buffer_under_xla():
     """A pre-norm residual stack ``h + relu(norm(h) @ W1) @ W2`` (1 MiB stream), every third
-    stream tensor kept, in a compiled SGD step, with XLA's CPU pass that removes optimization
-    barriers before fusion turned off (what XLA's GPU compiler does by itself: design note
-    "memory under XLA"). The kept ``h`` is an elementwise sum: without the barrier XLA fuses
-    its whole chain into each reader and keeps the matmul outputs it sums, from the forward
-    pass to the backward. Measured (the allocator's peak, deterministic for the program):
-    24.5 MiB with the barriers; 39.7 MiB without them (main before them, with the flag) and
-    with them where the CPU pass removes them (no flag). 28 s on the loaded 2-core machine,
-    XLA's compile included."""
-    ours = children.run_json(_PRE_NORM_RESIDUAL_STEP, env={
-        "XLA_FLAGS": "--xla_disable_hlo_passes=cse_barrier_expander"})
+    stream tensor kept, in a compiled SGD step. The kept ``h`` is an elementwise sum: unless it
+    passes through a conditional (``ordering.materialized``), XLA fuses its whole chain into
+    each reader and keeps the matmul outputs it sums from the forward pass to the backward
+    (design note "memory under XLA"). Measured (the allocator's peak, deterministic for the
+    program): 24.5 MiB; 39.7 MiB without the conditional (main before it) and with an
+    ``XlaOptimizationBarrier`` instead, which XLA's CPU compiler removes. 28 s on the loaded
+    2-core machine, XLA's compile included."""
+    ours = children.run_json(_PRE_NORM_RESIDUAL_STEP)
     assert ours["peak"] <= 32 * MIB, ours["peak"] / MIB

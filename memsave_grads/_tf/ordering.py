@@ -22,7 +22,6 @@ import os
 from typing import Iterable, Sequence
 
 import tensorflow as tf
-from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util
 
 from memsave_grads.core import op_types
@@ -58,8 +57,8 @@ def xla_in_effect(graph: tf.Graph | None = None) -> bool:
 def compiled_by_xla(graph: tf.Graph | None = None) -> bool:
     """Whether ops built now in ``graph`` are certainly compiled by XLA: inside
     ``tf.function(jit_compile=True)`` or a function or loop nested in one. Not under
-    auto-clustering alone, which may leave an op out of every cluster: an
-    ``XlaOptimizationBarrier`` (:func:`barrier`) has no kernel outside XLA."""
+    auto-clustering alone, which may leave an op out of every cluster (where
+    :func:`materialized` would only copy tensors)."""
     graph = graph or tf.compat.v1.get_default_graph()
     return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
 
@@ -129,38 +128,22 @@ def after(t: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
     return tf.subtract(t, tf.cast(zero, t.dtype), name="after_gradient")
 
 
-def barrier(tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-    """The values of ``tensors`` through one ``XlaOptimizationBarrier`` (what JAX's
-    ``optimization_barrier`` lowers to): XLA may compute none of the outputs before all of
-    the inputs exist, and may not fuse, simplify or merge computations across it, so each
-    input is read from its buffer. Only where :func:`compiled_by_xla` (no kernel outside
-    XLA). XLA's CPU compiler removes barriers before fusion unless
-    ``XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander``; its GPU compiler keeps them
-    until after scheduling (design note "memory under XLA").
+def materialized(tensors: Sequence[tf.Tensor], zero: tf.Tensor) -> list[tf.Tensor]:
+    """The values of ``tensors`` passed through one conditional on ``zero == 0`` (``zero``
+    from :func:`gradient_arrival`; both branches pass the values on): under XLA, an HLO
+    conditional whose predicate it cannot know at compile time. Its operands are read from
+    their buffers (XLA fuses nothing into a conditional), so a kept ``x + f(x)`` is
+    materialized instead of rebuilt in each reader from the tensors it sums, and nothing after
+    it can be computed before the gradient exists or be merged with the forward pass (design
+    note "memory under XLA"). Exact: each output is its input, whichever branch runs.
 
-    TensorFlow registers no gradient for the op: the first call registers one, the identity
-    on each output (the barrier is the identity on values), so that ``tf.gradients`` may
-    differentiate through it; nothing is registered at import time."""
-    _register_barrier_gradient()
-    # The op's Python wrapper lives outside tf.raw_ops; imported here, at first use, so that
-    # importing memsave_grads loads nothing of XLA's.
-    from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # pylint: disable=import-outside-toplevel
-    return list(gen_xla_ops.xla_optimization_barrier(list(tensors), name="barrier"))
+    Not ``XlaOptimizationBarrier``, made for this: XLA's CPU compiler removes it before fusion
+    (the note). Only where :func:`compiled_by_xla`: outside XLA the conditional would only copy.
+    """
+    def pass_on():
+        return [tf.identity(t) for t in tensors]
 
-
-_BARRIER_OP_TYPE = "XlaOptimizationBarrier"
-
-
-def _register_barrier_gradient() -> None:
-    try:
-        ops.gradient_registry.lookup(_BARRIER_OP_TYPE)
-    except LookupError:
-        ops.RegisterGradient(_BARRIER_OP_TYPE)(_barrier_gradient)
-
-
-def _barrier_gradient(_op: tf.Operation, *output_grads):
-    """The barrier is the identity on each value; so is its gradient (None stays None)."""
-    return list(output_grads)
+    return list(tf.cond(tf.equal(zero, 0.0), pass_on, pass_on, name="materialized"))
 
 
 def warn_once(key: str, message: str, *args) -> None:

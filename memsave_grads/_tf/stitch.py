@@ -113,9 +113,9 @@ class CallOptions:
       scope_prefix: name scope of the copies and boundaries.
       xla: the step is compiled by XLA (``ordering.xla_in_effect``): copies also wait for
         their gradients through dataflow.
-      barriers: the step is certainly compiled by XLA (``ordering.compiled_by_xla``): each
-        level's boundaries and incoming gradients also pass through one
-        ``XlaOptimizationBarrier`` (design note "memory under XLA").
+      materialize: the step is certainly compiled by XLA (``ordering.compiled_by_xla``): each
+        level's boundaries and incoming gradients also pass through one conditional
+        (``ordering.materialized``; design note "memory under XLA").
     """
 
     user_stops: Sequence[tf.Tensor]
@@ -123,7 +123,7 @@ class CallOptions:
     unconnected_zero: bool
     scope_prefix: str
     xla: bool = False
-    barriers: bool = False
+    materialize: bool = False
 
 
 class _Backprop:
@@ -287,23 +287,22 @@ def _read_gradients_passed_on(state: _Backprop, kept_nodes: Sequence[int]) -> li
     return left
 
 
-def _through_barrier(boundaries: Mapping, active: list, arrival: tf.Tensor) -> Mapping:
-    """Pass a level's floating boundaries, its dense incoming gradients and the arrival zero
-    through one ``XlaOptimizationBarrier`` (design note "memory under XLA"): what the copies
-    read instead of the boundaries, ``{ref: tensor}``; ``active``'s gradients are replaced
-    in place by theirs. XLA then reads each checkpoint and each gradient sum from a buffer
-    instead of fusing the elementwise chain that made it (a residual stream, forward or
-    backward) into every reader, and computes no copy before the gradients exist. The
-    differentiated readers stay the boundaries, so the partials are read off there as
-    before; the barrier's gradient is the identity (``ordering.barrier``)."""
+def _materialized(boundaries: Mapping, active: list, arrival: tf.Tensor) -> Mapping:
+    """Pass a level's floating boundaries and its dense incoming gradients through one
+    conditional on the arrival zero (``ordering.materialized``; design note "memory under
+    XLA"): what the copies read instead of the boundaries, ``{ref: tensor}``; ``active``'s
+    gradients are replaced in place by theirs. XLA then reads each checkpoint and each
+    gradient sum from a buffer instead of fusing the elementwise chain that made it (a
+    residual stream, forward or backward) into every reader. The differentiated readers stay
+    the boundaries, so the partials are read off there as before."""
     refs = [ref for ref, b in boundaries.items() if ordering.can_wait(b)]
     slots = [(i, j) for i, (_, ds) in enumerate(active) for j, d in enumerate(ds)
              if isinstance(d, tf.Tensor) and ordering.can_wait(d)]
     if not refs and not slots:
         return boundaries
-    outs = ordering.barrier([boundaries[ref] for ref in refs]
-                            + [active[i][1][j] for i, j in slots] + [arrival])
-    for (i, j), d in zip(slots, outs[len(refs):-1]):
+    outs = ordering.materialized([boundaries[ref] for ref in refs]
+                                 + [active[i][1][j] for i, j in slots], arrival)
+    for (i, j), d in zip(slots, outs[len(refs):]):
         active[i][1][j] = d
     return {**boundaries, **dict(zip(refs, outs[:len(refs)]))}
 
@@ -340,9 +339,9 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
         with tf.name_scope(f"{scope}/arrival"):
             arrival = ordering.gradient_arrival(incoming)
     copy_inputs = boundaries
-    if state.options.barriers and arrival is not None:
+    if state.options.materialize and arrival is not None:
         with tf.name_scope(f"{scope}/arrival"):
-            copy_inputs = _through_barrier(boundaries, active, arrival)
+            copy_inputs = _materialized(boundaries, active, arrival)
     copies = rewrite.copy_ops(to_copy, scope, control, replacements=copy_inputs,
                               arrival=arrival, replay=exposure.replay_copy)
     targets, target_grads, copied = [], [], []
