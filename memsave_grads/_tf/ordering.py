@@ -128,6 +128,25 @@ def after(t: tf.Tensor, zero: tf.Tensor) -> tf.Tensor:
     return tf.subtract(t, tf.cast(zero, t.dtype), name="after_gradient")
 
 
+def sums_activations(t: tf.Tensor, depth: int = 8) -> bool:
+    """Whether ``t`` is, through ops of one activation input (an activation, a normalization,
+    a scale), a cheap op of two or more activations (``x + f(x)``, a gated product): what XLA
+    rebuilds in each reader from the tensors it sums, which then stay alive (design note
+    "memory under XLA"). Not a matmul's or convolution's output nor a function of one: there
+    the conditional of :func:`materialized` only adds copies (a tanh chain: 18 -> 49 MiB)."""
+    for _ in range(depth):
+        op = t.op
+        if op.type in op_types.EXPENSIVE_OP_TYPES:
+            return False
+        activations = [i for i in op.inputs if can_wait(i) and not is_variable_value(i)]
+        if len(activations) >= 2:
+            return True
+        if not activations:
+            return False
+        t = activations[0]
+    return False
+
+
 def materialized(tensors: Sequence[tf.Tensor], zero: tf.Tensor) -> list[tf.Tensor]:
     """The values of ``tensors`` passed through one conditional on ``zero == 0`` (``zero``
     from :func:`gradient_arrival`; both branches pass the values on): under XLA, an HLO
