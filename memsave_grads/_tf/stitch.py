@@ -289,10 +289,10 @@ def _read_gradients_passed_on(state: _Backprop, kept_nodes: Sequence[int]) -> li
 
 def _materialized(boundaries: Mapping, active: list, arrival: tf.Tensor) -> Mapping:
     """Pass a level's floating boundaries that sum activations (``ordering.sums_activations``)
-    and its dense incoming gradients through one
-    conditional on the arrival zero (``ordering.materialized``; design note "memory under
-    XLA"): what the copies read instead of the boundaries, ``{ref: tensor}``; ``active``'s
-    gradients are replaced in place by theirs. XLA then reads each checkpoint and each
+    and its dense incoming gradients through one conditional on the arrival zero
+    (``ordering.materialized``; design note "memory under XLA"): what the copies read instead
+    of the boundaries, ``{ref: tensor}``; ``active``'s gradients are replaced in place by
+    theirs. XLA then reads each checkpoint and each
     gradient sum from a buffer instead of fusing the elementwise chain that made it (a
     residual stream, forward or backward) into every reader. The differentiated readers stay
     the boundaries, so the partials are read off there as before."""
