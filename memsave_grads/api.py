@@ -306,7 +306,8 @@ def run_plan(prepared: "Prepared", plan: plan_lib.Plan) -> list:
         user_stops=arguments.user_stops, tf_kwargs=arguments.tf_kwargs,
         unconnected_zero=arguments.unconnected == tf.UnconnectedGradients.ZERO,
         scope_prefix=f"{arguments.scope}_memsave",
-        xla=ordering.xla_in_effect(arguments.graph))
+        xla=ordering.xla_in_effect(arguments.graph),
+        materialize=ordering.compiled_by_xla(arguments.graph))
     with arguments.graph.as_default():
         grads = stitch.backprop(arguments.ys, prepared.xs, arguments.grad_ys, model,
                                 dict(enumerate(prepared.region)),

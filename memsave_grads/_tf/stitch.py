@@ -113,6 +113,9 @@ class CallOptions:
       scope_prefix: name scope of the copies and boundaries.
       xla: the step is compiled by XLA (``ordering.xla_in_effect``): copies also wait for
         their gradients through dataflow.
+      materialize: the step is certainly compiled by XLA (``ordering.compiled_by_xla``): each
+        level's boundaries and incoming gradients also pass through one conditional
+        (``ordering.materialized``; design note "memory under XLA").
     """
 
     user_stops: Sequence[tf.Tensor]
@@ -120,6 +123,7 @@ class CallOptions:
     unconnected_zero: bool
     scope_prefix: str
     xla: bool = False
+    materialize: bool = False
 
 
 class _Backprop:
@@ -283,6 +287,28 @@ def _read_gradients_passed_on(state: _Backprop, kept_nodes: Sequence[int]) -> li
     return left
 
 
+def _materialized(boundaries: Mapping, active: list, arrival: tf.Tensor) -> Mapping:
+    """Pass a level's floating boundaries that sum activations (``ordering.sums_activations``)
+    and its dense incoming gradients through one conditional on the arrival zero
+    (``ordering.materialized``; design note "memory under XLA"): what the copies read instead
+    of the boundaries, ``{ref: tensor}``; ``active``'s gradients are replaced in place by
+    theirs. XLA then reads each checkpoint and each
+    gradient sum from a buffer instead of fusing the elementwise chain that made it (a
+    residual stream, forward or backward) into every reader. The differentiated readers stay
+    the boundaries, so the partials are read off there as before."""
+    refs = [ref for ref, b in boundaries.items()
+            if ordering.can_wait(b) and ordering.sums_activations(ref.deref())]
+    slots = [(i, j) for i, (_, ds) in enumerate(active) for j, d in enumerate(ds)
+             if isinstance(d, tf.Tensor) and ordering.can_wait(d)]
+    if not refs and not slots:
+        return boundaries
+    outs = ordering.materialized([boundaries[ref] for ref in refs]
+                                 + [active[i][1][j] for i, j in slots], arrival)
+    for (i, j), d in zip(slots, outs[len(refs):]):
+        active[i][1][j] = d
+    return {**boundaries, **dict(zip(refs, outs[:len(refs)]))}
+
+
 def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.Schedule,
            label: int | str, kept_nodes: Sequence[int]) -> None:
     """One level: copy the segments of its active kept ops and differentiate them in one call
@@ -314,7 +340,11 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
     if state.options.xla and to_copy:
         with tf.name_scope(f"{scope}/arrival"):
             arrival = ordering.gradient_arrival(incoming)
-    copies = rewrite.copy_ops(to_copy, scope, control, replacements=boundaries,
+    copy_inputs = boundaries
+    if state.options.materialize and arrival is not None:
+        with tf.name_scope(f"{scope}/arrival"):
+            copy_inputs = _materialized(boundaries, active, arrival)
+    copies = rewrite.copy_ops(to_copy, scope, control, replacements=copy_inputs,
                               arrival=arrival, replay=exposure.replay_copy)
     targets, target_grads, copied = [], [], []
     for k, ds in active:
