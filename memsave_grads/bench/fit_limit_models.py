@@ -97,3 +97,15 @@ def efficientnet_b0(batch_size, image_size=64, classes=100):
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                   loss=keras.losses.SparseCategoricalCrossentropy())
     return model
+
+
+def convnext_tiny(batch_size, image_size=64, classes=100):
+    """keras.applications.ConvNeXtTiny (28 M weights, random init) on 64 x 64 images: depthwise
+    7 x 7 convolutions, layer norm and GELU instead of batch norm and ReLU."""
+    del batch_size
+    keras.utils.set_random_seed(0)
+    model = keras.applications.ConvNeXtTiny(weights=None, classes=classes,
+                                            input_shape=(image_size, image_size, 3))
+    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy())
+    return model
