@@ -340,12 +340,20 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
     if state.options.xla and to_copy:
         with tf.name_scope(f"{scope}/arrival"):
             arrival = ordering.gradient_arrival(incoming)
-    copy_inputs = boundaries
+    copy_inputs, conditional_ops = boundaries, []
     if state.options.materialize and arrival is not None:
+        graph = arrival.graph
+        ops_before = len(graph.get_operations())
         with tf.name_scope(f"{scope}/arrival"):
             copy_inputs = _materialized(boundaries, active, arrival)
+        conditional_ops = graph.get_operations()[ops_before:]
     copies = rewrite.copy_ops(to_copy, scope, control, replacements=copy_inputs,
                               arrival=arrival, replay=exposure.replay_copy)
+    # The conditional belongs to the copied region, as the waiting stand-ins do (note
+    # "ordering under XLA", "Nested levels copy the stand-ins too"): a nested level's copies
+    # must read its copy of the conditional, not the conditional outside its sources, or the
+    # partials of what passes through it are lost.
+    copies.update((op, op) for op in conditional_ops)
     targets, target_grads, copied = [], [], []
     for k, ds in active:
         op = state.ops[k]
