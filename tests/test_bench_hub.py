@@ -50,6 +50,8 @@ def test_the_gradient_error_floors_gradients_that_are_zero_by_cancellation():
         pytest.approx(0.05))
     assert hub._max_rel_error([np.array([1.0, -2.0]), np.array([0.01, 0])], reference) == (
         pytest.approx(5.0))
+    # A NaN gradient is an error, not a value max() passes over.
+    assert hub._max_rel_error([np.array([np.nan, -2.0]), reference[1]], reference) == np.inf
 
 
 def test_a_wrapped_result_without_its_gradient_check_or_above_tolerance_is_wrong():

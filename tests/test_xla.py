@@ -336,6 +336,34 @@ def test_materialized_is_exact_to_second_order():
             np.testing.assert_array_equal(got, expected)
 
 
+def test_a_kept_sum_read_only_through_integers_keeps_its_none_gradient_under_xla():
+    """Two kept sums of activations in one level, one read only through a cast to integers:
+    what lies upstream of it gets ``None`` from tf.gradients, and must from us under XLA too.
+    Through one conditional shared by both sums, the conditional's gradient gave the cut one
+    zeros (a gradient for every output), which spread to ``x`` and ``w1``."""
+    rng = np.random.RandomState(0)
+    x, x2 = (tf.constant(rng.randn(8, 16)) for _ in range(2))
+    w1, w2, w3 = (tf.constant(rng.randn(16, 16) * 0.3) for _ in range(3))
+
+    def gradients_by(method):
+        @tf.function(jit_compile=True)
+        def run(x, x2, w1, w2, w3):
+            s = x + tf.tanh(tf.matmul(x, w1))
+            r = x2 + tf.tanh(tf.matmul(x2, w3))
+            cut = tf.cast(tf.cast(s * 10, tf.int32), tf.float64)
+            k = tf.tanh(tf.matmul(cut + r, w2))
+            loss = tf.reduce_sum(tf.square(tf.tanh(tf.matmul(k, w2)) + k))
+            if method is None:
+                return original_gradients(loss, [x, w1, x2, w2])
+            return mg.gradients(loss, [x, w1, x2, w2], checkpoints=[s, r, k],
+                                fallback="error")
+        return run(x, x2, w1, w2, w3)
+
+    expected = gradients_by(None)
+    assert expected[0] is None and expected[1] is None
+    assert_grads_close(gradients_by("ours"), expected, rtol=1e-10)
+
+
 # --------------------------------------------------------------------------------------------
 # The ordering helpers
 # --------------------------------------------------------------------------------------------

@@ -156,13 +156,17 @@ def materialized(tensors: Sequence[tf.Tensor], zero: tf.Tensor) -> list[tf.Tenso
     it can be computed before the gradient exists or be merged with the forward pass (design
     note "memory under XLA"). Exact: each output is its input, whichever branch runs.
 
+    One conditional per tensor, not one for all: a conditional's gradient gives every output
+    that receives none a gradient of zeros, so a shared one turned the ``None`` gradient of a
+    kept tensor read only through non-differentiable ops into zeros, for everything upstream
+    of it (tf.gradients gives ``None`` there).
+
     Not ``XlaOptimizationBarrier``, made for this: XLA's CPU compiler removes it before fusion
     (the note). Only where :func:`compiled_by_xla`: outside XLA the conditional would only copy.
     """
-    def pass_on():
-        return [tf.identity(t) for t in tensors]
-
-    return list(tf.cond(tf.equal(zero, 0.0), pass_on, pass_on, name="materialized"))
+    arrived = tf.equal(zero, 0.0)
+    return [tf.cond(arrived, lambda t=t: tf.identity(t), lambda t=t: tf.identity(t),
+                    name="materialized") for t in tensors]
 
 
 def warn_once(key: str, message: str, *args) -> None:
