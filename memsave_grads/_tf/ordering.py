@@ -148,9 +148,9 @@ def sums_activations(t: tf.Tensor, depth: int = 8) -> bool:
 
 
 def materialized(tensors: Sequence[tf.Tensor], zero: tf.Tensor) -> list[tf.Tensor]:
-    """The values of ``tensors`` passed through one conditional on ``zero == 0`` (``zero``
-    from :func:`gradient_arrival`; both branches pass the values on): under XLA, an HLO
-    conditional whose predicate it cannot know at compile time. Its operands are read from
+    """The values of ``tensors``, each passed through a conditional on ``zero == 0`` (``zero``
+    from :func:`gradient_arrival`; both branches pass the value on): under XLA, an HLO
+    conditional whose predicate it cannot know at compile time. Its operand is read from
     their buffers (XLA fuses nothing into a conditional), so a kept ``x + f(x)`` is
     materialized instead of rebuilt in each reader from the tensors it sums, and nothing after
     it can be computed before the gradient exists or be merged with the forward pass (design

@@ -114,7 +114,7 @@ class CallOptions:
       xla: the step is compiled by XLA (``ordering.xla_in_effect``): copies also wait for
         their gradients through dataflow.
       materialize: the step is certainly compiled by XLA (``ordering.compiled_by_xla``): each
-        level's boundaries and incoming gradients also pass through one conditional
+        level's boundaries and incoming gradients also pass through conditionals
         (``ordering.materialized``; design note "memory under XLA").
     """
 
@@ -289,7 +289,7 @@ def _read_gradients_passed_on(state: _Backprop, kept_nodes: Sequence[int]) -> li
 
 def _materialized(boundaries: Mapping, active: list, arrival: tf.Tensor) -> Mapping:
     """Pass a level's floating boundaries that sum activations (``ordering.sums_activations``)
-    and its dense incoming gradients through one conditional on the arrival zero
+    and its dense incoming gradients each through a conditional on the arrival zero
     (``ordering.materialized``; design note "memory under XLA"): what the copies read instead
     of the boundaries, ``{ref: tensor}``; ``active``'s gradients are replaced in place by
     theirs. XLA then reads each checkpoint and each
