@@ -451,7 +451,7 @@ def test_fit_limit_command_finds_a_larger_batch_with_memsave(tmp_path):
     ("resnet50", {"image_size": 32}), ("resnet50_tf_keras", {"image_size": 32}),
     ("transformer_encoder", {"layers": 1, "sequence": 16}),
     ("gpt_decoder", {"layers": 1, "sequence": 16}), ("lstm", {"steps": 6, "units": 8}),
-    ("efficientnet_b0", {"image_size": 32})])
+    ("efficientnet_b0", {"image_size": 32}), ("convnext_tiny", {"image_size": 32})])
 def test_the_readme_models_build_and_plan(name, kwargs):
     """memsave_grads.bench.fit_limit_models (the README headline's models, named as a module of
     the installed package), smaller: each builds a compiled Keras model (3, or tf_keras) whose

@@ -28,8 +28,14 @@ def resnet50_tf_keras(batch_size, image_size=64, classes=100):
 
 
 def _resnet50(keras_module, image_size, classes):
+    return _application(keras_module, "ResNet50", image_size, classes)
+
+
+def _application(keras_module, name, image_size, classes):
+    """``keras_module.applications.<name>``, randomly initialized (seed 0), compiled with SGD
+    with momentum and sparse cross-entropy."""
     keras_module.utils.set_random_seed(0)
-    model = keras_module.applications.ResNet50(
+    model = getattr(keras_module.applications, name)(
         weights=None, input_shape=(image_size, image_size, 3), classes=classes)
     model.compile(optimizer=keras_module.optimizers.SGD(0.01, momentum=0.9),
                   loss=keras_module.losses.SparseCategoricalCrossentropy())
@@ -91,21 +97,11 @@ def lstm(batch_size, steps=200, features=64, units=256):
 def efficientnet_b0(batch_size, image_size=64, classes=100):
     """keras.applications.EfficientNetB0 (5.3 M weights, random init) on 64 x 64 images."""
     del batch_size
-    keras.utils.set_random_seed(0)
-    model = keras.applications.EfficientNetB0(weights=None, classes=classes,
-                                              input_shape=(image_size, image_size, 3))
-    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy())
-    return model
+    return _application(keras, "EfficientNetB0", image_size, classes)
 
 
 def convnext_tiny(batch_size, image_size=64, classes=100):
     """keras.applications.ConvNeXtTiny (28 M weights, random init) on 64 x 64 images: depthwise
     7 x 7 convolutions, layer norm and GELU instead of batch norm and ReLU."""
     del batch_size
-    keras.utils.set_random_seed(0)
-    model = keras.applications.ConvNeXtTiny(weights=None, classes=classes,
-                                            input_shape=(image_size, image_size, 3))
-    model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy())
-    return model
+    return _application(keras, "ConvNeXtTiny", image_size, classes)
