@@ -123,3 +123,13 @@ def test_close_segments_keeps_an_unkept_residual_stream():
                                reads_source=(True,) + (False,) * 9,
                                feeds_sink=(False,) * 9 + (True,))
     assert graph_lib.close_segments(g, {1, 4, 7}) == {0, 1, 3, 4, 6, 7}
+
+
+def test_a_long_lived_key_holds_neither_the_memo_nor_the_facts():
+    g = chain(12)
+    graph_lib.memo(g)["something"] = [0] * 1000
+    facts = g.facts
+    bare = graph_lib.without_memo(g)
+    assert bare == g and "_memo" not in vars(bare) and "facts" not in vars(bare)
+    assert bare.facts == facts  # made again where read, the same
+    assert "facts" in vars(g) and graph_lib.memo(g)["something"]  # the model itself keeps both

@@ -199,9 +199,11 @@ def memo(graph: ForwardGraph) -> dict:
 
 def without_memo(graph: ForwardGraph) -> ForwardGraph:
     """An equal model that shares ``graph``'s fields but none of what :func:`memo` holds
-    (replays' caches, cut searches: megabytes on large graphs), for a long-lived key."""
+    (replays' caches, cut searches: megabytes on large graphs) nor its per-node
+    :attr:`ForwardGraph.facts` (made again where read), for a long-lived key."""
     bare = copy.copy(graph)
     bare.__dict__.pop("_memo", None)
+    bare.__dict__.pop("facts", None)
     return bare
 
 
