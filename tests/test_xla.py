@@ -17,6 +17,7 @@ import memsave_grads as mg
 from conftest import assert_grads_close
 from memsave_grads import measure
 from memsave_grads._tf import ordering
+from memsave_grads.core import op_types
 from memsave_grads.bench import xla as bench_xla
 from memsave_grads.bench.models import XlaSpec
 from memsave_grads.patching import original_gradients
@@ -582,3 +583,63 @@ def test_a_kept_residual_sum_is_read_from_its_buffer_under_xla():
     2-core machine, XLA's compile included."""
     ours = children.run_json(_PRE_NORM_RESIDUAL_STEP)
     assert ours["peak"] <= 32 * MIB, ours["peak"] / MIB
+
+
+@pytest.mark.parametrize("equation,reordered", [
+    ("th,ehm->etm", (False, True)),  # keras_hub Qwen3-MoE's experts: e free before h
+    ("eti,eih->eth", (False, False)),  # its output projection: e batch, i contracted
+    ("bsd,de->bse", (False, False)),  # a dense layer
+    ("btd,dnh->btnh", (False, False)),  # keras EinsumDense query projection
+    ("btnh,nhd->btd", (False, False)),  # and the attention output's
+    ("bsd,ed->bse", (False, True)),  # a tied embedding: contracted last on the right
+    ("aecd,abcd->acbe", (True, True)),  # keras MultiHeadAttention's scores
+    ("...d,ed->...e", (False, True)),  # an ellipsis counts as one label
+    ("ii,ij->j", (False, False)),  # a repeated label: not read, as before the rule
+])
+def test_einsum_operand_reordered(equation, reordered):
+    assert tuple(op_types.einsum_operand_reordered(equation, i) for i in (0, 1)) == reordered
+
+
+_EXPERTS_STEP = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+import memsave_grads as mg
+from memsave_grads.core import op_types
+from memsave_grads.patching import original_gradients
+if sys.argv[1] == "without the rule":
+    op_types.einsum_operand_reordered = lambda equation, index: False
+
+rng = np.random.RandomState(0)
+x = tf.constant(rng.uniform(-1, 1, (512, 256)).astype(np.float32))
+experts = [(tf.Variable(rng.randn(4, 256, 512).astype(np.float32) * 0.05),
+            tf.Variable(rng.randn(4, 512, 256).astype(np.float32) * 0.05)) for _ in range(8)]
+weights = [w for pair in experts for w in pair]
+
+@tf.function(jit_compile=True)
+def grads(ours):
+    h = x
+    for w_in, w_out in experts:
+        u = tf.nn.gelu(tf.einsum("th,ehm->etm", h, w_in))
+        h = h + tf.reduce_mean(tf.einsum("etm,emh->eth", u, w_out), 0)
+    loss = tf.reduce_sum(h * h)
+    if ours:
+        return mg.gradients(loss, weights, checkpoints="memory", fallback="error")
+    return original_gradients(loss, weights)
+
+error = max(float(tf.reduce_max(tf.abs(a - b)) / tf.reduce_max(tf.abs(b)))
+            for a, b in zip(grads(True), grads(False)))
+print(json.dumps({"peak": measure.peak_bytes_of(lambda: grads(True))[0], "error": error}))
+"""
+
+
+def test_recomputed_experts_transpose_their_own_weights_under_xla():
+    """Eight mixture-of-experts layers (``"th,ehm->etm"``: the expert weights, 2 MiB each,
+    are transposed for the dot). A recomputed einsum reading the weights as they are has a
+    transpose XLA shares with the forward pass's and holds until the backward pass; through
+    the stand-in (``op_types.einsum_operand_reordered``) it is the copy's own. Measured: 60.5
+    MiB, 64.0 without the rule (tf.gradients: 170)."""
+    ours, before = (children.run_json(_EXPERTS_STEP, kind)
+                    for kind in ("with the rule", "without the rule"))
+    assert ours["error"] <= 1e-5 and before["error"] <= 1e-5, (ours, before)
+    assert ours["peak"] <= before["peak"] - 2 * MIB, (ours["peak"] / MIB, before["peak"] / MIB)

@@ -79,6 +79,8 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
                       else replacements.get(t.ref(), t) for t in op.inputs]
             if arrival is not None and not any(t.op in copies for t in op.inputs):
                 inputs = _wait_for_arrival(op, inputs, arrival, waiting, graph)
+            if arrival is not None and op.type in op_types.EINSUM_OP_TYPES:
+                inputs = _reordered_operands_wait(op, inputs, copies, arrival, waiting, graph)
             extra = [copies.get(c, c) for c in op.control_inputs
                      if c in copies or c.graph is graph]
             if not any(t.op in copies for t in op.inputs):
@@ -281,7 +283,32 @@ def _wait_for_arrival(op: tf.Operation, inputs: list, arrival: tf.Tensor, waitin
         chosen = max(activations, key=lambda i: _elements(inputs[i]))
     else:
         chosen = min(candidates, key=lambda i: _elements(inputs[i]))
-    t = inputs[chosen]
+    waiter = _waiting(inputs[chosen], arrival, waiting, graph)
+    return inputs[:chosen] + [waiter] + inputs[chosen + 1:]
+
+
+def _reordered_operands_wait(op: tf.Operation, inputs: list, copies: Mapping, arrival: tf.Tensor,
+                             waiting: dict, graph: tf.Graph) -> list:
+    """The inputs of an einsum's copy, each operand that XLA transposes before its dot
+    (``op_types.einsum_operand_reordered``) read through its stand-in unless it is a copy's
+    output or waits already. The transpose of an operand read as it is depends on the forward
+    pass alone, so XLA's common-subexpression elimination shares it with the original einsum's
+    and holds it from the forward pass to the backward: a mixture of experts' transposed
+    expert weights, 27 MiB of keras_hub Qwen3-MoE's 188 under ``jit_compile`` (design note
+    "memory under XLA"). Through the stand-in the transpose is the copy's own, made when the
+    gradient arrives; XLA fuses the subtraction into it, so the wait costs no buffer."""
+    equation = op.get_attr("equation").decode()
+    stand_ins = {w.ref() for w in waiting.values()}
+    waited = list(inputs)
+    for i, (original, t) in enumerate(zip(op.inputs, inputs)):
+        if (original.op not in copies and t.ref() not in stand_ins and ordering.can_wait(t)
+                and op_types.einsum_operand_reordered(equation, i)):
+            waited[i] = _waiting(t, arrival, waiting, graph)
+    return waited
+
+
+def _waiting(t: tf.Tensor, arrival: tf.Tensor, waiting: dict, graph: tf.Graph) -> tf.Tensor:
+    """``t``'s stand-in that waits for ``arrival`` (``ordering.after``), one per tensor."""
     if t.ref() not in waiting:
         with graph.as_default(), (
                 # Another graph (a loop's backward body) captures t; colocation would name
@@ -289,7 +316,7 @@ def _wait_for_arrival(op: tf.Operation, inputs: list, arrival: tf.Tensor, waitin
                 graph.colocate_with(t.op, ignore_existing=True) if t.graph is graph
                 else contextlib.nullcontext()):
             waiting[t.ref()] = ordering.after(t, arrival)
-    return inputs[:chosen] + [waiting[t.ref()]] + inputs[chosen + 1:]
+    return waiting[t.ref()]
 
 
 def _elements(t: tf.Tensor) -> float:

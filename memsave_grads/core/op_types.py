@@ -51,6 +51,30 @@ EXPENSIVE_OP_TYPES = (MATMUL_OP_TYPES | BATCH_MATMUL_OP_TYPES | CONVOLUTION_OP_T
                       | EINSUM_OP_TYPES)
 
 
+def einsum_operand_reordered(equation: str, index: int) -> bool:
+    """Whether XLA lowers operand ``index`` (0 or 1) of the two-operand einsum ``equation``
+    through a transpose of it: a dot takes its operands with their dimensions in the order
+    batch, free, contracted (left operand) or batch, contracted, free (right operand), and XLA
+    transposes an operand whose dimensions are otherwise ordered. ``"th,ehm->etm"`` (a mixture
+    of experts' weights, ``e`` free before the contracted ``h``) reorders its right operand;
+    ``"bsd,de->bse"`` reorders neither. An ellipsis counts as one label. Forms this does not
+    read (a repeated or summed-out label, other than two operands): False, i.e. treated as
+    before this rule (its use: a reordered operand of a recomputed einsum waits for the
+    gradient, ``_tf/rewrite.py``; design note "memory under XLA")."""
+    inputs, _, output = equation.replace(" ", "").replace("...", ".").partition("->")
+    operands = inputs.split(",")
+    if len(operands) != 2 or index not in (0, 1):
+        return False
+    mine, other = operands[index], operands[1 - index]
+    if len(set(mine)) != len(mine) or any(label not in other + output for label in mine):
+        return False
+    contracted_rank = 2 if index == 0 else 1  # where the contracted dimensions go
+    ranks = [0 if label in other and label in output
+             else contracted_rank if label in other else 3 - contracted_rank
+             for label in mine]
+    return ranks != sorted(ranks)
+
+
 def is_expensive_op_type(op_type: str) -> bool:
     """True for matmul/convolution/einsum-like op types (:data:`EXPENSIVE_OP_TYPES`)."""
     return op_type in EXPENSIVE_OP_TYPES
