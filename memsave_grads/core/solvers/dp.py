@@ -75,6 +75,9 @@ class _Tables:
                                _prefix(cost[v] if keeps[v] else 0.0 for v in range(n)),
                                _prefix(retained[v] if keeps[v] else 0 for v in range(n))))
         self._segments: dict = {}
+        #: dp_cuts' answers by (budget, quantum): the greedy solver's seeds ask the same
+        #: question again where two quantiles give the same cost-per-byte threshold.
+        self.answers: dict = {}
 
     @classmethod
     def of(cls, problem, search, positions, keep_ratios) -> "_Tables":
@@ -202,6 +205,17 @@ def dp_cuts(problem: problem_lib.BudgetProblem, search: planners.CutSearch, posi
     ``deadline`` (a ``time.perf_counter()`` value): raise :class:`DeadlinePassed` once past it.
     """
     tables = _Tables.of(problem, search, positions, keep_ratios)
+    if (budget_bytes, quantum) not in tables.answers:
+        tables.answers[budget_bytes, quantum] = _solved(tables, budget_bytes, quantum, deadline)
+    found = tables.answers[budget_bytes, quantum]
+    return None if found is None else (found[0], set(found[1]))
+
+
+def _solved(tables: _Tables, budget_bytes: int, quantum: int,
+            deadline: float | None) -> tuple[tuple, frozenset] | None:
+    """:func:`dp_cuts` on its tables (computed once per budget and quantum)."""
+    positions = tables.positions
+    keep_ratios = tables.inner
     # labels[i]: Pareto front of (kept bytes so far, cost so far, parent) at position i; each
     # position's labels are final before it extends the segments that start there.
     start = [(0, 0.0, None)]
@@ -226,7 +240,8 @@ def dp_cuts(problem: problem_lib.BudgetProblem, search: planners.CutSearch, posi
                     best = (a_index, label)
     if best is None:
         return None
-    return _trace_back(tables, *best)
+    cuts, kept_inside = _trace_back(tables, *best)
+    return cuts, frozenset(kept_inside)
 
 
 def solve_dp(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
