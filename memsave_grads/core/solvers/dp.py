@@ -165,13 +165,16 @@ def _extend(tables: _Tables, a_index: int, at_a: list, pending: list, compact_at
                     pending[b_index] = reaching = _pareto(reaching, 0)
                     compact_at[b_index] = max(_COMPACT_AT_LABELS, 2 * len(reaching))
                 continue
+            # The greedy seeds' hot loop (design note "planning cost"): names bound once.
             buckets = pending[b_index]
+            held_in = buckets.get
             for label in at_a[:fitting]:
-                key = (label[0] + new_bytes) // quantum
-                held = buckets.get(key)
-                if held is None or label[1] + seg_cost < held[1]:
-                    buckets[key] = (label[0] + new_bytes, label[1] + seg_cost,
-                                    (a_index, label, mode))
+                label_bytes = label[0] + new_bytes
+                key = label_bytes // quantum
+                held = held_in(key)
+                label_cost = label[1] + seg_cost
+                if held is None or label_cost < held[1]:
+                    buckets[key] = (label_bytes, label_cost, (a_index, label, mode))
 
 
 def _trace_back(tables: _Tables, index: int, label) -> tuple[tuple, set]:
