@@ -274,7 +274,10 @@ def test_a_boundary_is_the_colocated_identity_tf_would_make():
             variable = tf.compat.v1.get_variable("v", [3, 2], use_resource=True)
             value = tf.tanh(tf.ones([4, 3]), name="value")
         anchor = tf.constant(1.0, name="anchor")
-        for t in (value, variable.handle):
+        with graph.colocate_with(anchor.op):  # an op with colocation groups of its own
+            placed = tf.sin(value, name="placed")
+        assert placed.op.colocation_groups() == [b"loc:@anchor"]
+        for t in (value, placed, variable.handle):
             ours = stitch._boundary(t, "level/boundary/")
             with graph.colocate_with(t.op):
                 theirs = tf.identity(t)

@@ -73,6 +73,9 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
     graph = graph or source
     copies: dict[tf.Operation, tf.Operation] = {}
     waiting: dict = {}  # tensor ref -> its ordering.after stand-in (one per tensor)
+    # Every copy is created from here: one creating stack for all (design note "planning
+    # cost", "The rewrite").
+    stack = tf_stack.extract_stack(stacklevel=1)
     with graph.name_scope(scope):
         for op in ops:
             inputs = [copies[t.op].outputs[t.value_index] if t.op in copies
@@ -107,7 +110,8 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
                 attrs["_class"] = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
                     s=[f"loc:@{op.name}".encode()]))
             new = create_op(graph, op.type, inputs, name=op.name, attrs=attrs,
-                            op_def=op.op_def, device=op.device, control_inputs=extra)
+                            op_def=op.op_def, device=op.device, control_inputs=extra,
+                            stack=stack)
             # A replica is "based on the op that was replicated" (Graph._original_op): error
             # messages about the copy then trace back to the user's forward op.
             new._original_op = op  # pylint: disable=protected-access
@@ -136,7 +140,7 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
 
 def create_op(graph: tf.Graph, op_type: str, inputs: Sequence[tf.Tensor], *, name: str,
               attrs: Mapping, op_def, device: str,
-              control_inputs: Sequence[tf.Operation] = ()) -> tf.Operation:
+              control_inputs: Sequence[tf.Operation] = (), stack=None) -> tf.Operation:
     """The op ``graph._create_op_internal(op_type, inputs, name=name, attrs=attrs,
     op_def=op_def, compute_device=False)`` makes, on ``device`` and with ``control_inputs``
     added, made through the C API directly (design note "planning cost": 0.65 -> 0.24 s for
@@ -149,7 +153,10 @@ def create_op(graph: tf.Graph, op_type: str, inputs: Sequence[tf.Tensor], *, nam
     graph's ``control_dependencies`` (pruned as TensorFlow prunes them), its attribute
     scope, kernel labels and gradient overrides, colocation stack and control-flow context
     (``Graph._create_op_helper``), the default original op and the creating stack trace.
-    ``tests/test_rewrite.py`` compares the two routes' ops."""
+    ``tests/test_rewrite.py`` compares the two routes' ops.
+
+    ``stack``: the creating stack trace (``tf_stack.extract_stack``), where the caller
+    creates many ops from one place and extracts it once for all; default: the caller's."""
     if not _plain_creation(graph, op_type, inputs):
         new = graph._create_op_internal(  # pylint: disable=protected-access
             op_type, list(inputs), name=name, attrs=attrs, op_def=op_def, compute_device=False)
@@ -184,7 +191,8 @@ def create_op(graph: tf.Graph, op_type: str, inputs: Sequence[tf.Tensor], *, nam
             c_op = pywrap_tf_session.TF_FinishOperation(description)
         except tf_errors.InvalidArgumentError as e:
             raise ValueError(e.message) from e  # as _create_op_internal raises it
-        pywrap_tf_session.TF_SetOpStackTrace(c_op, tf_stack.extract_stack(stacklevel=2))
+        pywrap_tf_session.TF_SetOpStackTrace(
+            c_op, tf_stack.extract_stack(stacklevel=2) if stack is None else stack)
         new = graph._create_op_from_tf_operation(c_op, compute_device=False)  # pylint: disable=protected-access
         new._original_op = graph._default_original_op  # pylint: disable=protected-access
         new._control_flow_post_processing(input_tensors=inputs)  # pylint: disable=protected-access
@@ -235,6 +243,16 @@ def credit_gradients_to_originals(grads: Sequence, floors: Mapping[tf.Graph, int
         while replayed is not None:  # a copy of a copy (nested levels): the user's op
             op._original_op = replayed  # pylint: disable=protected-access
             replayed = getattr(replayed, _REPLAYS, None)
+
+
+def colocation_groups(op: tf.Operation) -> list[bytes]:
+    """``op.colocation_groups()``, read from its ``NodeDef``: ``Operation.colocation_groups``
+    asks the C API for ``_class`` and builds an exception where the op has none (most ops),
+    ten times the cost, once per boundary."""
+    attrs = op.node_def.attr
+    groups = ([group for group in attrs["_class"].list.s if group.startswith(b"loc:@")]
+              if "_class" in attrs else [])
+    return groups or [f"loc:@{op.name}".encode()]
 
 
 def copy_handle_data(original: tf.Tensor, copied: tf.Tensor) -> None:

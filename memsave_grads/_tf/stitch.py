@@ -21,6 +21,7 @@ from typing import Iterable, Mapping, Sequence
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import op_def_registry
+from tensorflow.python.util import tf_stack
 
 from memsave_grads._tf import exposure
 from memsave_grads._tf import ordering
@@ -238,13 +239,14 @@ def _top(state: _Backprop, ys, grad_ys, top: list[tf.Operation]) -> None:
     state.run(targets, target_grads, sources)
 
 
-def _boundary(t: tf.Tensor, scope: str) -> tf.Tensor:
+def _boundary(t: tf.Tensor, scope: str, stack=None) -> tf.Tensor:
     """``tf.identity(t)`` colocated with ``t``, made the way ``colocate_with(t.op)`` would
     make it (``t.op``'s colocation groups and device) but without the context managers and the
     op-definition library, through ``rewrite.create_op`` as the copies are: a level makes one
     per source, and on a 1000-block chain the ``tf.identity`` route was a tenth of the whole
     rewrite's time (design note "boundaries"). Recorded on the tapes recording now, as
-    ``tf.identity`` would be."""
+    ``tf.identity`` would be. ``stack``: the creating stack trace, extracted once for a
+    level's boundaries (``rewrite.create_op``)."""
     graph = t.graph
     # TF1 reference variables (tf.identity reads the value behind the reference), and a call
     # inside a colocate_with block, whose groups colocate_with(t.op) would add to t.op's: the
@@ -252,12 +254,13 @@ def _boundary(t: tf.Tensor, scope: str) -> tf.Tensor:
     if t.dtype._is_ref_dtype or graph._colocation_stack:  # pylint: disable=protected-access
         with graph.name_scope(scope.rstrip("/")), graph.colocate_with(t.op):
             return tf.identity(t)
-    groups = sorted(set(t.op.colocation_groups()))
+    groups = sorted(set(rewrite.colocation_groups(t.op)))
     attrs = {"T": attr_value_pb2.AttrValue(type=t.dtype.as_datatype_enum),
              "_class": attr_value_pb2.AttrValue(
                  list=attr_value_pb2.AttrValue.ListValue(s=groups))}
     op = rewrite.create_op(graph, "Identity", [t], name=f"{scope}Identity", attrs=attrs,
-                           op_def=op_def_registry.get("Identity"), device=t.op.device)
+                           op_def=op_def_registry.get("Identity"), device=t.op.device,
+                           stack=stack)
     out = op.outputs[0]
     out.set_shape(t.shape)
     rewrite.copy_handle_data(t, out)  # a resource's or variant's, as tf.identity passes on
@@ -331,7 +334,8 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
     # the graph downstream. Identities, not StopGradient, so that a later derivative of
     # these gradients still reaches the checkpoints (design note "boundaries").
     copied_sources = state.sources(to_copy)
-    boundaries = {t.ref(): _boundary(t, f"{scope}/boundary/") for t in copied_sources}
+    stack = tf_stack.extract_stack(stacklevel=1)  # one creating stack for the boundaries
+    boundaries = {t.ref(): _boundary(t, f"{scope}/boundary/", stack) for t in copied_sources}
     incoming = [d for _, ds in active for d in ds if d is not None]
     control = [c for d in incoming for c in _arrival_ops(d)]
     # Under XLA, which drops control inputs, the copies also wait for the level's gradients

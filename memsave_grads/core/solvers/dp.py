@@ -75,6 +75,9 @@ class _Tables:
                                _prefix(cost[v] if keeps[v] else 0.0 for v in range(n)),
                                _prefix(retained[v] if keeps[v] else 0 for v in range(n))))
         self._segments: dict = {}
+        #: dp_cuts' answers by (budget, quantum): the greedy solver's seeds ask the same
+        #: question again where two quantiles give the same cost-per-byte threshold.
+        self.answers: dict = {}
 
     @classmethod
     def of(cls, problem, search, positions, keep_ratios) -> "_Tables":
@@ -162,13 +165,16 @@ def _extend(tables: _Tables, a_index: int, at_a: list, pending: list, compact_at
                     pending[b_index] = reaching = _pareto(reaching, 0)
                     compact_at[b_index] = max(_COMPACT_AT_LABELS, 2 * len(reaching))
                 continue
+            # The greedy seeds' hot loop (design note "planning cost"): names bound once.
             buckets = pending[b_index]
+            held_in = buckets.get
             for label in at_a[:fitting]:
-                key = (label[0] + new_bytes) // quantum
-                held = buckets.get(key)
-                if held is None or label[1] + seg_cost < held[1]:
-                    buckets[key] = (label[0] + new_bytes, label[1] + seg_cost,
-                                    (a_index, label, mode))
+                label_bytes = label[0] + new_bytes
+                key = label_bytes // quantum
+                held = held_in(key)
+                label_cost = label[1] + seg_cost
+                if held is None or label_cost < held[1]:
+                    buckets[key] = (label_bytes, label_cost, (a_index, label, mode))
 
 
 def _trace_back(tables: _Tables, index: int, label) -> tuple[tuple, set]:
@@ -202,6 +208,17 @@ def dp_cuts(problem: problem_lib.BudgetProblem, search: planners.CutSearch, posi
     ``deadline`` (a ``time.perf_counter()`` value): raise :class:`DeadlinePassed` once past it.
     """
     tables = _Tables.of(problem, search, positions, keep_ratios)
+    if (budget_bytes, quantum) not in tables.answers:
+        tables.answers[budget_bytes, quantum] = _solved(tables, budget_bytes, quantum, deadline)
+    found = tables.answers[budget_bytes, quantum]
+    return None if found is None else (found[0], set(found[1]))
+
+
+def _solved(tables: _Tables, budget_bytes: int, quantum: int,
+            deadline: float | None) -> tuple[tuple, frozenset] | None:
+    """:func:`dp_cuts` on its tables (computed once per budget and quantum)."""
+    positions = tables.positions
+    keep_ratios = tables.inner
     # labels[i]: Pareto front of (kept bytes so far, cost so far, parent) at position i; each
     # position's labels are final before it extends the segments that start there.
     start = [(0, 0.0, None)]
@@ -226,7 +243,8 @@ def dp_cuts(problem: problem_lib.BudgetProblem, search: planners.CutSearch, posi
                     best = (a_index, label)
     if best is None:
         return None
-    return _trace_back(tables, *best)
+    cuts, kept_inside = _trace_back(tables, *best)
+    return cuts, frozenset(kept_inside)
 
 
 def solve_dp(problem: problem_lib.BudgetProblem) -> plan_lib.Plan:
