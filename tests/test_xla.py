@@ -643,3 +643,36 @@ def test_recomputed_experts_transpose_their_own_weights_under_xla():
                     for kind in ("with the rule", "without the rule"))
     assert ours["error"] <= 1e-5 and before["error"] <= 1e-5, (ours, before)
     assert ours["peak"] <= before["peak"] - 2 * MIB, (ours["peak"] / MIB, before["peak"] / MIB)
+
+
+def test_waiting_expert_weights_are_exact_in_nested_plans_to_second_order():
+    """The stand-ins of the experts' weights (``op_types.einsum_operand_reordered``) belong to
+    the copied region like every stand-in: with a nested plan under XLA, first and second
+    derivatives are tf.gradients' (float64)."""
+    rng = np.random.RandomState(0)
+    x = tf.constant(rng.uniform(-1, 1, (64, 32)))
+    experts = [(tf.Variable(rng.randn(4, 32, 48) * 0.2), tf.Variable(rng.randn(4, 48, 32) * 0.2))
+               for _ in range(12)]
+    weights = [w for pair in experts for w in pair]
+
+    def derivatives(ours):
+        h = x
+        for w_in, w_out in experts:
+            u = tf.nn.gelu(tf.einsum("th,ehm->etm", h, w_in))
+            h = h + tf.reduce_mean(tf.einsum("etm,emh->eth", u, w_out), 0)
+        kwargs = {"checkpoints": "budget:15%:revolve", "fallback": "error"}
+        first = (mg.gradients(tf.reduce_sum(h * h), weights + [x], **kwargs) if ours
+                 else original_gradients(tf.reduce_sum(h * h), weights + [x]))
+        norm = tf.reduce_sum(first[-1] * first[-1])
+        second = (mg.gradients(norm, weights, **kwargs) if ours
+                  else original_gradients(norm, weights))
+        return first + second
+
+    step = tf.function(lambda: derivatives(True), jit_compile=True)
+    graph = step.get_concrete_function().graph
+    waiting_weights = [op for op in graph.get_operations() if op.type == "Einsum"
+                       and op.get_attr("equation") == b"th,ehm->etm"
+                       and op.inputs[1].op.name.rpartition("/")[2].startswith("after_gradient")]
+    assert waiting_weights, "no expert weight waits"
+    assert_grads_close(step(), tf.function(lambda: derivatives(False), jit_compile=True)(),
+                       rtol=1e-10)
