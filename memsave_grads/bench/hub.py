@@ -112,6 +112,22 @@ ARCHITECTURES = (
                  # keras_hub 0.32's load-balancing loss multiplies a float32 mask into
                  # float64 routing weights: it cannot build in float64.
                  float64=False),
+    # Three more mixtures of experts (four experts, top 2; each expert a quarter of the
+    # feed-forward), whose expert weights XLA transposes for the dot like Qwen3-MoE's (design
+    # note "memory under XLA", "An einsum's transposed operands wait too").
+    Architecture("gpt_oss", "GPT-OSS (4 experts, top 2)", "GptOssBackbone",
+                 lambda s: {**_gqa(s), "head_dim": s.hidden // s.heads,
+                            "intermediate_dim": s.intermediate // 4, "num_experts": 4,
+                            "top_k": 2}),
+    Architecture("mixtral", "Mixtral (4 experts, top 2)", "MixtralBackbone",
+                 lambda s: {**_gqa(s), "intermediate_dim": s.intermediate // 4,
+                            "num_experts": 4, "top_k": 2},
+                 float64=False),  # its sparse block mixes float32 into float64, as Qwen3-MoE's
+    Architecture("qwen_moe", "Qwen2-MoE (4 experts, top 2, a shared expert)", "QwenMoeBackbone",
+                 lambda s: {**_gqa(s), "moe_intermediate_dim": s.intermediate // 4,
+                            "shared_expert_intermediate_dim": s.intermediate // 4,
+                            "num_experts": 4, "top_k": 2},
+                 float64=False),  # likewise
     Architecture("bert", "BERT", "BertBackbone", lambda s: {
         "num_layers": s.layers, "num_heads": s.heads, "hidden_dim": s.hidden,
         "intermediate_dim": s.intermediate, "max_sequence_length": s.sequence,
