@@ -17,7 +17,9 @@ def _result(arch, method, jit, peak_mib, seconds=None, failed="", error=None):
 
 
 def test_models_select_architectures_as_it_selects_the_other_models():
-    assert [a.key for a in hub.select(["gpt2", "MOE"])] == ["gpt2", "qwen3_moe"]
+    assert [a.key for a in hub.select(["gpt2", "MOE"])] == ["gpt2", "qwen3_moe", "qwen_moe"]
+    assert [a.key for a in hub.select(["experts"])] == ["qwen3_moe", "gpt_oss", "mixtral",
+                                                        "qwen_moe"]
     assert [a.key for a in hub.select(["encoderdecoder"])] == ["t5"]
     assert hub.select([]) == list(hub.ARCHITECTURES)
     assert hub.select(["resnet"]) == []
