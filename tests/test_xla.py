@@ -676,3 +676,50 @@ def test_waiting_expert_weights_are_exact_in_nested_plans_to_second_order():
     assert waiting_weights, "no expert weight waits"
     assert_grads_close(step(), tf.function(lambda: derivatives(False), jit_compile=True)(),
                        rtol=1e-10)
+
+
+_TF1_COMPILE = """
+import json
+import numpy as np
+import tensorflow as tf
+tf.compat.v1.disable_v2_behavior()
+import memsave_grads as mg
+
+def errors_and_copies(use_resource):
+    with tf.Graph().as_default() as graph:
+        rng = np.random.RandomState(0)
+        x = tf.constant(rng.randn(256, 128))
+        ws = [tf.compat.v1.get_variable(f"w{i}", initializer=rng.randn(128, 128) * 0.1,
+                                        use_resource=use_resource) for i in range(16)]
+
+        def derivatives(gradients):
+            h = x
+            for w in ws:
+                h = h + tf.tanh(tf.matmul(h, w))
+            first = gradients(tf.reduce_sum(h * h), ws)
+            return first + gradients(tf.add_n([tf.reduce_sum(g * g) for g in first]), ws)
+
+        ours = lambda y, xs: mg.gradients(y, xs, checkpoints="memory", fallback="error")
+        compiled = [tf.compat.v1.xla.experimental.compile(lambda g=g: derivatives(g))
+                    for g in (tf.gradients, ours)]
+        copies = sum("recompute" in op.name for op in graph.get_operations())
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            expected, got = session.run(compiled)
+    return max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(got, expected)), copies
+
+print(json.dumps({kind: errors_and_copies(kind == "resource") for kind in ("reference", "resource")}))
+"""
+
+
+def test_tf1_xla_compile_with_reference_and_resource_variables():
+    """``tf.compat.v1.xla.experimental.compile`` in v1 mode: the compilation context's own
+    attribute is not copied onto the copies ("XLA compiled computations cannot be nested"), a
+    reference variable's ``read`` is a variable read and is kept, not copied with a reference
+    input the context refuses, and the conditionals are cond_v2 whatever the control-flow
+    setting, so the second derivative goes through them. First and second derivatives are
+    tf.gradients' (float64)."""
+    results = children.run_json(_TF1_COMPILE, preamble="")
+    for kind, (error, copies) in results.items():
+        assert copies > 0, kind
+        assert error <= 1e-10, (kind, error)

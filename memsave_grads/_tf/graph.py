@@ -386,6 +386,11 @@ def is_replayable(op: tf.Operation) -> bool:
     """
     if uses_v1_control_flow(op) or op.type in op_types.FEED_OP_TYPES:
         return False
+    if any(t.dtype._is_ref_dtype for t in op.inputs):  # pylint: disable=protected-access
+        # Reads a TF1 reference variable (its ``read`` identity): a variable read. Its copy
+        # would also take a reference input, which a TF1 XLA compilation context refuses
+        # ("Non-resource Variables are not supported inside XLA computations").
+        return False
     if _is_check(op):
         return True
     try:

@@ -22,6 +22,7 @@ import os
 from typing import Iterable, Sequence
 
 import tensorflow as tf
+from tensorflow.python.ops import cond_v2
 from tensorflow.python.ops import control_flow_util
 
 from memsave_grads.core import op_types
@@ -165,8 +166,11 @@ def materialized(tensors: Sequence[tf.Tensor], zero: tf.Tensor) -> list[tf.Tenso
     (the note). Only where :func:`compiled_by_xla`: outside XLA the conditional would only copy.
     """
     arrived = tf.equal(zero, 0.0)
-    return [tf.cond(arrived, lambda t=t: tf.identity(t), lambda t=t: tf.identity(t),
-                    name="materialized") for t in tensors]
+    # cond_v2 whatever the process's setting: under disable_v2_behavior tf.cond would build
+    # TF1 control flow (Switch/Merge), which a later derivative of these gradients cannot
+    # take through memsave_grads (nor does XLA compile it into one conditional).
+    return [cond_v2.cond_v2(arrived, lambda t=t: tf.identity(t), lambda t=t: tf.identity(t),
+                            name="materialized") for t in tensors]
 
 
 def warn_once(key: str, message: str, *args) -> None:

@@ -32,6 +32,10 @@ _function_counter = itertools.count()
 #: gradient of cond_v2/while_v2 rewrites the forward op's function graphs in place, so a shared
 #: cache would let the copy's gradient rewrite the original (docs/design.md, note "func graphs").
 #: Without the cache the gradient code rebuilds fresh FuncGraphs from the function library.
+#: Attributes a TF1 compilation context (``tf.compat.v1.xla.experimental.compile``, a TPU
+#: replicate) sets on each op made inside it, and refuses on an op it is given: "XLA compiled
+#: computations cannot be nested". The context sets them on the copy again.
+_COMPILATION_CONTEXT_ATTRS = frozenset({"_xla_compile_id", "_tpu_replicate"})
 _CACHED_FUNC_GRAPH_ATTRS = ("_true_graph", "_false_graph", "_cond_graph", "_body_graph",
                             "_branch_graphs")
 
@@ -101,7 +105,8 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
                     inputs = [tf.identity(t) for t in inputs]
                 copies.update((t.op, t.op) for t in inputs)  # part of the copied region
                 extra = []
-            attrs = dict(op.node_def.attr)
+            attrs = {name: value for name, value in op.node_def.attr.items()
+                     if name not in _COMPILATION_CONTEXT_ATTRS}
             if graph is not source:
                 attrs.pop("_class", None)
             elif "_class" not in attrs:
