@@ -591,9 +591,11 @@ def test_a_kept_residual_sum_is_read_from_its_buffer_under_xla():
     ("bsd,de->bse", (False, False)),  # a dense layer
     ("btd,dnh->btnh", (False, False)),  # keras EinsumDense query projection
     ("btnh,nhd->btd", (False, False)),  # and the attention output's
-    ("bsd,ed->bse", (False, True)),  # a tied embedding: contracted last on the right
-    ("aecd,abcd->acbe", (True, True)),  # keras MultiHeadAttention's scores
-    ("...d,ed->...e", (False, True)),  # an ellipsis counts as one label
+    ("bsd,ed->bse", (False, False)),  # a tied embedding: the dot reads W as it is
+    ("bqd,bkd->bqk", (False, False)),  # attention scores, one free and one contracted each
+    ("aecd,abcd->acbe", (True, True)),  # keras MultiHeadAttention's scores: batch not leading
+    ("btd,nhd->btnh", (False, True)),  # two free dimensions before the contracted one
+    ("...d,ed->...e", (False, False)),  # an ellipsis counts as one label
     ("ii,ij->j", (False, False)),  # a repeated label: not read, as before the rule
 ])
 def test_einsum_operand_reordered(equation, reordered):
