@@ -40,6 +40,7 @@ from tensorflow.python.ops import handle_data_util
 
 from memsave_grads._tf import function_ops
 from memsave_grads._tf import graph as tf_graph
+from memsave_grads._tf import ordering
 from memsave_grads._tf import rewrite
 from memsave_grads.core import op_types
 
@@ -62,6 +63,9 @@ class Exposure:
     bodies: tuple
     visible_outputs: int
     first_exposed: tuple  # per body: index of its first exposed output on the op
+    #: A cond's values in optionals (outside XLA); under XLA, which compiles no optional, as
+    #: they are, each branch giving zeros for the other branches' values.
+    in_optionals: bool = True
 
 
 def _ensure_gradient_registered() -> None:
@@ -168,16 +172,21 @@ def expose(op: tf.Operation, bodies: Sequence) -> Exposure:
         # branches' (only the branch that ran holds its values; cond_v2 does the same).
         counts = [len(b.exposed_values) for b in bodies]
         first = tuple(visible + sum(counts[:i]) for i in range(len(bodies)))
+        in_optionals = not ordering.xla_in_effect(op.graph)
         clones = []
         for i, body in enumerate(bodies):
             def optionals(mapping, i=i, body=body):
                 out = []
                 for j, other in enumerate(bodies):
-                    if j == i:
+                    if j == i and in_optionals:
                         out += [gen_optional_ops.optional_from_value([mapping(t)])
                                 for t in body.exposed_values]
-                    else:
+                    elif j == i:
+                        out += [mapping(t) for t in body.exposed_values]
+                    elif in_optionals:
                         out += [gen_optional_ops.optional_none() for _ in other.exposed_values]
+                    else:  # as cond_v2 matches its branches' intermediates under XLA
+                        out += [tf.zeros(t.shape, t.dtype) for t in other.exposed_values]
                 return out
             clones.append(_clone(body.graph, body.outputs, op.graph, optionals))
         names = [control_flow_util_v2.create_new_tf_function(c) for c in clones]
@@ -194,7 +203,9 @@ def expose(op: tf.Operation, bodies: Sequence) -> Exposure:
         op._set_type_list_attr("Tout", [t.dtype for t in outputs])  # pylint: disable=protected-access
         op._set_shape_list_attr("output_shapes", [t.shape for t in outputs])  # pylint: disable=protected-access
         op._add_outputs([t.dtype for t in extra], [t.shape for t in extra])  # pylint: disable=protected-access
-    exposure = Exposure(tuple(bodies), visible, first)
+    exposure = Exposure(tuple(bodies), visible, first,
+                        op.type in op_types.FUNCTION_CALL_OP_TYPES
+                        or not ordering.xla_in_effect(op.graph))
     setattr(op, function_ops.EXPOSURE_ATTR, exposure)
     _LOG.debug("memsave_grads: %s (%s) outputs %d values of its state for its replay",
                op.name, op.type, len(op.outputs) - visible)
@@ -303,9 +314,10 @@ def _replay_cond(op, exposure: Exposure, inputs, control_inputs) -> tuple[list, 
         body = exposure.bodies[i]
 
         def replayed():
-            optionals = _exposed_values(op, exposure, i)
-            values = [gen_optional_ops.optional_get_value(o, [t.dtype], [t.shape])[0]
-                      for o, t in zip(optionals, body.exposed_values)]
+            exposed = _exposed_values(op, exposure, i)
+            values = ([gen_optional_ops.optional_get_value(o, [t.dtype], [t.shape])[0]
+                       for o, t in zip(exposed, body.exposed_values)]
+                      if exposure.in_optionals else list(exposed))
             outputs, _ = _inline(body, inputs[function_ops.input_offset(op):], values,
                                  "replay", [])
             return outputs

@@ -503,8 +503,10 @@ class BodyExposure:
 def exposure_plan(op: tf.Operation) -> list[BodyExposure] | None:
     """How to replay a *stateful* cond or call exactly, one entry per body; None where it
     cannot be (module docstring), or where it needs no exposure (a stateless op: copied as it
-    is). Not under XLA (cond_v2's optionals do not compile), not for a call compiled on its
-    own (``jit_compile``), not for an op whose gradient was already built."""
+    is). Under XLA, where cond_v2's optionals do not compile, a cond's branches output each
+    other's values as zeros (``_tf.exposure.expose``), so those values need static shapes.
+    Not for a call compiled on its own (``jit_compile``), not for an op whose gradient was
+    already built."""
     if not (op.type in op_types.FUNCTION_CALL_OP_TYPES or op.type in op_types.COND_OP_TYPES
             or op.type in op_types.CASE_OP_TYPES):
         return None
@@ -513,7 +515,7 @@ def exposure_plan(op: tf.Operation) -> list[BodyExposure] | None:
         return list(done.bodies)
     if tf_graph.is_replayable(op) or tf_graph.uses_v1_control_flow(op):
         return None
-    if ordering.xla_in_effect(op.graph) or _compiled_alone(op) or _gradient_built(op):
+    if _compiled_alone(op) or _gradient_built(op):
         return None
     graphs = body_graphs(op)
     if graphs is None:
@@ -524,6 +526,11 @@ def exposure_plan(op: tf.Operation) -> list[BodyExposure] | None:
         if plan is None:
             return None
         plans.append(plan)
+    if (len(plans) > 1 and ordering.xla_in_effect(op.graph)
+            and not all(t.shape.is_fully_defined() for p in plans for t in p.exposed_values)):
+        # Under XLA a branch gives zeros for the other branches' values (no optionals there):
+        # of static shape only.
+        return None
     return plans
 
 

@@ -19,11 +19,13 @@ import tensorflow as tf
 
 from memsave_grads._tf import function_ops
 from memsave_grads._tf import graph as tf_graph
+from memsave_grads._tf import ordering
 from memsave_grads.core import budgets
 from memsave_grads.core import fast_replay
 from memsave_grads import errors
 from memsave_grads.core.checkpoints import ParsedCheckpoints
 from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import op_types
 from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import policies
@@ -142,7 +144,14 @@ def _exposed_bytes(op: tf.Operation) -> int:
     if not function_ops.is_function_op(op) or tf_graph.is_replayable(op):
         return 0
     bodies = function_ops.exposure_plan(op)
-    return max((b.exposed_bytes for b in bodies), default=0) if bodies else 0
+    if not bodies:
+        return 0
+    if op.type not in op_types.FUNCTION_CALL_OP_TYPES and ordering.xla_in_effect(op.graph):
+        # Under XLA a conditional's outputs are buffers of its own, all of them written by
+        # the branch that runs (zeros for the other branches' values, ``_tf.exposure``): a
+        # variable read is copied too.
+        return sum(tf_graph.tensor_bytes(t) for b in bodies for t in b.exposed_values)
+    return max(b.exposed_bytes for b in bodies)
 
 
 #: Convolutions oneDNN runs (other dtypes, such as float64 and float16, fall back to Eigen).
