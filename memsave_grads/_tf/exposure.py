@@ -156,6 +156,9 @@ def expose(op: tf.Operation, bodies: Sequence) -> Exposure:
     if done is not None:
         return done
     visible = len(op.outputs)
+    # A call's values need no optionals; a cond's do, but XLA compiles none (Exposure).
+    in_optionals = (op.type in op_types.FUNCTION_CALL_OP_TYPES
+                    or not ordering.xla_in_effect(op.graph))
     if op.type in op_types.FUNCTION_CALL_OP_TYPES:
         (body,) = bodies
         clone = _clone(body.graph, body.outputs, op.graph,
@@ -172,7 +175,6 @@ def expose(op: tf.Operation, bodies: Sequence) -> Exposure:
         # branches' (only the branch that ran holds its values; cond_v2 does the same).
         counts = [len(b.exposed_values) for b in bodies]
         first = tuple(visible + sum(counts[:i]) for i in range(len(bodies)))
-        in_optionals = not ordering.xla_in_effect(op.graph)
         clones = []
         for i, body in enumerate(bodies):
             def optionals(mapping, i=i, body=body):
@@ -203,9 +205,7 @@ def expose(op: tf.Operation, bodies: Sequence) -> Exposure:
         op._set_type_list_attr("Tout", [t.dtype for t in outputs])  # pylint: disable=protected-access
         op._set_shape_list_attr("output_shapes", [t.shape for t in outputs])  # pylint: disable=protected-access
         op._add_outputs([t.dtype for t in extra], [t.shape for t in extra])  # pylint: disable=protected-access
-    exposure = Exposure(tuple(bodies), visible, first,
-                        op.type in op_types.FUNCTION_CALL_OP_TYPES
-                        or not ordering.xla_in_effect(op.graph))
+    exposure = Exposure(tuple(bodies), visible, first, in_optionals)
     setattr(op, function_ops.EXPOSURE_ATTR, exposure)
     _LOG.debug("memsave_grads: %s (%s) outputs %d values of its state for its replay",
                op.name, op.type, len(op.outputs) - visible)
