@@ -743,12 +743,18 @@ flags = tf.constant([True, False] * 8)
 def block(h, k):  # a nested tf.function reading a variable: a stateful call
     return h + tf.tanh(tf.matmul(h, weights[k]))
 
+@tf.function
+def outer_block(h, k):  # a call of a call, as a Keras layer calling a sublayer
+    return block(h, k) * 0.5
+
 @tf.function(jit_compile=True)
 def grads(ours):
     h = x
     for k, w in enumerate(weights):  # each branch reads its block's weights: stateful conds
         if sys.argv[2] == "call":
             h = block(h, k)
+        elif sys.argv[2] == "call_of_call":
+            h = outer_block(h, k)
         else:
             h = tf.cond(flags[k], lambda h=h, w=w: h + tf.tanh(tf.matmul(h, w)),
                         lambda h=h, w=w: h + tf.nn.relu(tf.matmul(h, w)))
@@ -812,3 +818,69 @@ def test_replayed_conds_with_dropout_are_exact_to_second_order_under_xla():
     assert any("replayed" in op.name for op in graph.get_operations())
     ours, reference = both()
     assert_grads_close(ours, reference, rtol=1e-10)
+
+
+@pytest.mark.parametrize("never_worse", [False, True])
+def test_calls_of_calls_are_exact_to_second_order_under_xla(monkeypatch, never_worse):
+    """A nested ``tf.function`` per block that calls another one (as a Keras layer's call
+    calls a sublayer's), both reading variables, compiled by XLA. A copied or replayed segment
+    starts at a call's output; tf.gradients builds a dead ``SymbolicGradient`` for a call
+    whose output is a source, and XLA, which compiles dead ops, has no kernel for it: the
+    whole step failed to compile, with the defaults too (tf_graph.gradients_stopped_at)."""
+    from memsave_grads._tf import selection  # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(selection, "NEVER_WORSE_RULE", never_worse)
+    rng = np.random.RandomState(0)
+    x = tf.constant(rng.randn(64, 16))
+    inner_weights = [tf.Variable(rng.randn(16, 16) * 0.3) for _ in range(6)]
+    outer_weights = [tf.Variable(rng.randn(16, 16) * 0.3) for _ in range(6)]
+
+    @tf.function
+    def inner(h, k):
+        return tf.tanh(h @ inner_weights[k])
+
+    @tf.function
+    def block(h, k):
+        return inner(h, k) + tf.sin(h @ outer_weights[k])
+
+    @tf.function(jit_compile=True)
+    def both():
+        h = x
+        for k in range(6):
+            h = tf.sin(tf.tanh(h) + block(h, k)) * 1.1
+        loss = tf.reduce_sum(h * h)
+        sources = inner_weights + outer_weights + [x]
+        ours = mg.gradients(loss, sources, checkpoints="memory", fallback="error")
+        ours += mg.gradients(tf.reduce_sum(ours[-1] * ours[-1]), sources[:-1],
+                             checkpoints="memory", fallback="error")
+        reference = original_gradients(loss, sources)
+        reference += original_gradients(tf.reduce_sum(reference[-1] * reference[-1]),
+                                        sources[:-1])
+        return ours, reference
+
+    ours, reference = both()
+    assert_grads_close(ours, reference, rtol=1e-10)
+
+
+@pytest.mark.never_worse  # the plain path: a small graph falls back
+def test_gradients_at_a_call_of_calls_output_compile_under_xla():
+    """``mg.gradients(loss, [h])`` with ``h`` the output of a function that calls another:
+    plain tf.gradients fails to compile under XLA (TF 2.21: a ``SymbolicGradient`` for the
+    call, dead but compiled); ours, falling back to plain, does not, and agrees with the
+    gradient computed without XLA."""
+    w, v = tf.Variable(tf.ones([4, 4])), tf.Variable(tf.ones([4, 4]))
+
+    @tf.function
+    def inner(h):
+        return tf.tanh(h @ w)
+
+    @tf.function
+    def outer(h):
+        return inner(h) + tf.sin(h @ v)
+
+    def gradient_at_h(x):
+        h = outer(tf.sin(x))
+        return mg.gradients(tf.reduce_sum(tf.sin(h)), [h])[0]
+
+    x = tf.reshape(tf.range(8, dtype=tf.float32) / 8.0, [2, 4])
+    compiled = tf.function(gradient_at_h, jit_compile=True)(x)
+    assert_grads_close([compiled], [tf.function(gradient_at_h)(x)])

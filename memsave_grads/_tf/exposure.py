@@ -352,6 +352,5 @@ def _exposed_call_gradient(op: tf.Operation, *grads):
     if not pairs:
         return [None] * len(op.inputs)
     sources = list(op.inputs)
-    return tf_graph.ORIGINAL_GRADIENTS([y for y, _ in pairs], sources,
-                                       grad_ys=[g for _, g in pairs],
-                                       stop_gradients=sources)
+    return tf_graph.gradients_stopped_at([y for y, _ in pairs], sources,
+                                         [g for _, g in pairs], sources)

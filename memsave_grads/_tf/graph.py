@@ -20,6 +20,7 @@ from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gradients_impl
+from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import _pywrap_util_port
@@ -109,28 +110,65 @@ def _no_gradient(op, *unused_output_grads):
     return [None] * len(op.inputs)
 
 
+#: Function calls whose ``SymbolicGradient`` tf.gradients must not build in this context
+#: (:func:`gradients_stopped_at`); empty outside it, so every other caller sees TF as it is.
+_SOURCE_CALLS: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "memsave_grads_source_calls", default=frozenset())
+
+
+def _symbolic_gradient_unless_source(op, out_grads):
+    """``gradients_util._SymGrad``, except for the calls in ``_SOURCE_CALLS``: no gradient."""
+    if op in _SOURCE_CALLS.get():
+        return [None] * len(op.inputs)
+    return _symbolic_gradient_unless_source.__wrapped__(op, out_grads)
+
+
+def _install_source_call_guard() -> None:
+    """Route tf.gradients' ``SymbolicGradient`` through :func:`_symbolic_gradient_unless_source`;
+    once, on first use (never at import). Outside :func:`gradients_stopped_at` it only delegates."""
+    current = gradients_util._SymGrad  # pylint: disable=protected-access
+    if current is not _symbolic_gradient_unless_source:
+        _symbolic_gradient_unless_source.__wrapped__ = current
+        gradients_util._SymGrad = _symbolic_gradient_unless_source  # pylint: disable=protected-access
+
+
 def gradients_stopped_at(ys, sources, grad_ys, stops, **tf_gradients_kwargs) -> list:
     """``ORIGINAL_GRADIENTS(ys, sources, grad_ys, stop_gradients=stops)``, where backprop
-    really ends at every stop.
+    really ends at every stop and every source.
 
-    tf.gradients does not stop at a function call op named in ``stop_gradients``: with no
-    gradient function looked up for a stop op, it differentiates the call with a
-    ``SymbolicGradient`` op anyway, so the path through the call is taken after all (measured
-    on TF 2.21: the through-the-call values for a ``PartitionedCall``, a run-time
-    ``NotFoundError`` or ``InvalidArgumentError`` for a ``StatefulPartitionedCall``; design
-    note "boundaries"). For the duration of this call such a stop's op gets a gradient
-    function that returns None instead, and is left out of ``stop_gradients``: the gradient
-    of a stop (a source too) is still what reaches it, and nothing goes beyond it.
+    tf.gradients does not stop at a function call op it does not differentiate: with no
+    gradient function looked up, it differentiates the call with a ``SymbolicGradient`` op
+    anyway. Two kinds of ops are not looked up (design note "boundaries"):
+
+    - a call named in ``stop_gradients``: the path through the call is taken after all
+      (measured on TF 2.21: the through-the-call values for a ``PartitionedCall``, a run-time
+      ``NotFoundError`` or ``InvalidArgumentError`` for a ``StatefulPartitionedCall``). For
+      the duration of this call such a stop's op gets a gradient function that returns None
+      instead, and is left out of ``stop_gradients``: the gradient of a stop (a source too)
+      is still what reaches it, and nothing goes beyond it.
+    - a call whose output is a source and whose inputs are not between the sources and
+      ``ys`` (tf.gradients' "stop ops"): its ``SymbolicGradient`` is usually dead, but XLA
+      compiles dead ops, and it has no XLA kernel for a call that calls another function
+      (TF 2.21: ``tf.gradients(loss, [h])`` with ``h`` such a call's output fails to compile
+      under ``jit_compile`` in plain TensorFlow too). Nothing reads it (its inputs are not
+      between), so such calls get no gradient here (:func:`_symbolic_gradient_unless_source`).
     """
     calls = {t.op for t in stops if is_function_call(t.op)}
     stops = [t for t in stops if t.op not in calls]
+    source_calls = frozenset(t.op for t in sources  # variables and eager values have no op
+                             if isinstance(t, tf.Tensor) and not is_eager_tensor(t)
+                             and is_function_call(t.op))
+    if source_calls:
+        _install_source_call_guard()
     saved = [(op, op._gradient_function) for op in calls]  # pylint: disable=protected-access
+    token = _SOURCE_CALLS.set(source_calls)
     try:
         for op in calls:
             op._gradient_function = _no_gradient  # pylint: disable=protected-access
         return ORIGINAL_GRADIENTS(ys, sources, grad_ys=grad_ys, stop_gradients=stops,
                                   **tf_gradients_kwargs)
     finally:
+        _SOURCE_CALLS.reset(token)
         for op, function in saved:
             op._gradient_function = function  # pylint: disable=protected-access
 
