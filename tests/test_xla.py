@@ -747,6 +747,11 @@ def block(h, k):  # a nested tf.function reading a variable: a stateful call
 def outer_block(h, k):  # a call of a call, as a Keras layer calling a sublayer
     return block(h, k) * 0.5
 
+@tf.function
+def cond_block(h, k):  # a stateful cond inside a call
+    return tf.cond(flags[k], lambda: h + tf.tanh(tf.matmul(h, weights[k])),
+                   lambda: h + tf.nn.relu(tf.matmul(h, weights[k])))
+
 @tf.function(jit_compile=True)
 def grads(ours):
     h = x
@@ -755,6 +760,8 @@ def grads(ours):
             h = block(h, k)
         elif sys.argv[2] == "call_of_call":
             h = outer_block(h, k)
+        elif sys.argv[2] == "cond_in_call":
+            h = cond_block(h, k)
         else:
             h = tf.cond(flags[k], lambda h=h, w=w: h + tf.tanh(tf.matmul(h, w)),
                         lambda h=h, w=w: h + tf.nn.relu(tf.matmul(h, w)))
@@ -774,18 +781,23 @@ print(json.dumps({"peak": measure.peak_bytes_of(step)[0], "error": error}))
 """
 
 
-@pytest.mark.parametrize("form", ["cond", "call"])
+@pytest.mark.parametrize("form", ["cond", "call", "call_of_call", "cond_in_call"])
 def test_a_stateful_cond_or_call_per_block_saves_under_xla(form):
     """Sixteen blocks, each a ``tf.cond`` whose branches read the block's weights, or a nested
     ``tf.function`` that reads them (stateful ops, as a Keras layer called in a branch or a
-    function makes them), compiled by XLA. Such an op is replayed from the values it outputs
-    (design note "control flow and calls"); under XLA, which compiles no optional, each branch
-    outputs the other's values as zeros. Measured: cond 57.8 MiB plain, 23.5 recomputed; call
-    37.0 and 14.0 (the last stop: no plan under XLA, the plain peaks)."""
+    function makes them), or a function calling such a function or holding such a cond,
+    compiled by XLA. Such an op is replayed from the values it outputs, a nested one from the
+    values its copy outputs through the enclosing op (design note "control flow and calls");
+    under XLA, which compiles no optional, each branch outputs the other's values as zeros.
+    Measured (MiB, plain / recomputed): cond 57.8 / 23.5; call 37.0 / 14.0; call of a call
+    37.0 / 23.0 (one call computing the same, ``(h + tanh(h @ w)) * 0.5``: 23.0 too); cond in
+    a call 57.8 / 19.8. Before the fifth stop of 2026-11-27 the nested forms had no plan (the
+    plain peaks)."""
     plain, ours = (children.run_json(_COND_PER_BLOCK_STEP, kind, form)
                    for kind in ("plain", "ours"))
     assert ours["error"] <= 1e-5, ours
-    assert ours["peak"] <= 0.6 * plain["peak"], (ours["peak"] / MIB, plain["peak"] / MIB)
+    bound = 0.75 if form == "call_of_call" else 0.6
+    assert ours["peak"] <= bound * plain["peak"], (ours["peak"] / MIB, plain["peak"] / MIB)
 
 
 def test_replayed_conds_with_dropout_are_exact_to_second_order_under_xla():

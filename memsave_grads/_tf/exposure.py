@@ -149,20 +149,33 @@ def _clone(body, outputs, outer_graph, extra_outputs) -> func_graph_module.FuncG
         body, f"{body.name}_memsave_exposed{next(_clone_counter)}", outer_graph, build)
 
 
-def expose(op: tf.Operation, bodies: Sequence) -> Exposure:
+def _state_in_clone(body: function_ops.BodyExposure, mapping) -> list:
+    """``body``'s exposed values in a clone of its graph (``mapping``: a tensor of ``body`` to
+    its copy there), in order: its own, then each nested op's, whose copy is exposed first."""
+    values = [mapping(t) for t in body.exposed_values]
+    for nested in body.nested:
+        copy = mapping(nested.op.outputs[0]).op
+        exposure = expose(copy, nested.bodies, nested.in_optionals)
+        values += copy.outputs[exposure.visible_outputs:]
+    return values
+
+
+def expose(op: tf.Operation, bodies: Sequence, in_optionals: bool | None = None) -> Exposure:
     """Rewrite forward op ``op`` (a stateful call or cond) to output its bodies' exposed
-    values (``function_ops.BodyExposure.exposed_values``) after its own outputs; once."""
+    values (``function_ops.BodyExposure.exposed_count`` each) after its own outputs; once.
+    ``in_optionals`` (a cond's): default, outside XLA."""
     done = getattr(op, function_ops.EXPOSURE_ATTR, None)
     if done is not None:
         return done
     visible = len(op.outputs)
     # A call's values need no optionals; a cond's do, but XLA compiles none (Exposure).
-    in_optionals = (op.type in op_types.FUNCTION_CALL_OP_TYPES
-                    or not ordering.xla_in_effect(op.graph))
+    if in_optionals is None:
+        in_optionals = (op.type in op_types.FUNCTION_CALL_OP_TYPES
+                        or not ordering.xla_in_effect(op.graph))
     if op.type in op_types.FUNCTION_CALL_OP_TYPES:
         (body,) = bodies
         clone = _clone(body.graph, body.outputs, op.graph,
-                       lambda mapping: [mapping(t) for t in body.exposed_values])
+                       lambda mapping: _state_in_clone(body, mapping))
         name = control_flow_util_v2.create_new_tf_function(clone)
         extra = clone.outputs[visible:]
         op._set_func_attr("f", name)  # pylint: disable=protected-access
@@ -173,7 +186,7 @@ def expose(op: tf.Operation, bodies: Sequence) -> Exposure:
     else:
         # Each branch outputs its own values in optionals, and empty optionals for the other
         # branches' (only the branch that ran holds its values; cond_v2 does the same).
-        counts = [len(b.exposed_values) for b in bodies]
+        counts = [b.exposed_count for b in bodies]
         first = tuple(visible + sum(counts[:i]) for i in range(len(bodies)))
         clones = []
         for i, body in enumerate(bodies):
@@ -181,14 +194,15 @@ def expose(op: tf.Operation, bodies: Sequence) -> Exposure:
                 out = []
                 for j, other in enumerate(bodies):
                     if j == i and in_optionals:
-                        out += [gen_optional_ops.optional_from_value([mapping(t)])
-                                for t in body.exposed_values]
+                        out += [gen_optional_ops.optional_from_value([v])
+                                for v in _state_in_clone(body, mapping)]
                     elif j == i:
-                        out += [mapping(t) for t in body.exposed_values]
+                        out += _state_in_clone(body, mapping)
                     elif in_optionals:
-                        out += [gen_optional_ops.optional_none() for _ in other.exposed_values]
+                        out += [gen_optional_ops.optional_none()
+                                for _ in range(other.exposed_count)]
                     else:  # as cond_v2 matches its branches' intermediates under XLA
-                        out += [tf.zeros(t.shape, t.dtype) for t in other.exposed_values]
+                        out += [tf.zeros(shape, dtype) for dtype, shape in other.value_specs()]
                 return out
             clones.append(_clone(body.graph, body.outputs, op.graph, optionals))
         names = [control_flow_util_v2.create_new_tf_function(c) for c in clones]
@@ -220,8 +234,9 @@ def expose(op: tf.Operation, bodies: Sequence) -> Exposure:
 def _inline(body: function_ops.BodyExposure, inputs: Sequence, exposed: Sequence, scope: str,
             control_inputs: Sequence) -> tuple[list, list]:
     """Copy ``body``'s ops into the current graph: its placeholders read ``inputs``, its
-    reads and exposed values read ``exposed`` (in ``exposed_values`` order). Returns (the
-    body's outputs there, the ops made)."""
+    reads and exposed values read ``exposed`` (``exposed_count`` of them, in order), its
+    nested stateful ops are replayed from theirs. Returns (the body's outputs there, the ops
+    made)."""
     graph = tf.compat.v1.get_default_graph()
     source = body.graph
     replacements = {t.ref(): x for t, x in zip(source.inputs, inputs)}
@@ -230,7 +245,8 @@ def _inline(body: function_ops.BodyExposure, inputs: Sequence, exposed: Sequence
     values = iter(exposed)
     read_values = [next(values) for _ in body.reads]
     gather_indices = [next(values) for read in body.reads if read.type != "ReadVariableOp"]
-    state_values = list(values)
+    state_values = [next(values) for _ in body.exposed]
+    nested = {n.op: (n, [next(values) for _ in range(n.exposed_count)]) for n in body.nested}
     with tf.name_scope(scope):
         indices = iter(gather_indices)
         for read, value in zip(body.reads, read_values):
@@ -254,15 +270,26 @@ def _inline(body: function_ops.BodyExposure, inputs: Sequence, exposed: Sequence
                 + [c for c in op.control_inputs if c not in not_copied
                    and tf_graph.is_replayable(c)])
 
+    def replay_nested(op, op_inputs, op_control_inputs, op_graph):
+        if op not in nested:
+            return None
+        inner, inner_values = nested[op]
+        counts = [b.exposed_count for b in inner.bodies]
+        per_body = [inner_values[sum(counts[:i]):sum(counts[:i + 1])]
+                    for i in range(len(counts))]
+        return _replayed(op, inner.bodies, per_body, inner.in_optionals, op_inputs,
+                         op_control_inputs, op_graph)
+
     visible = list(body.outputs)
     needed = set(tf_graph.walk([t.op for t in visible if t.ref() not in replacements],
                                upstream))
     ops = sorted((op for op in needed if op.type not in op_types.FEED_OP_TYPES
                   and op not in not_copied), key=tf_graph.creation_index)
     for op in ops:
-        if not tf_graph.is_replayable(op):
+        if not tf_graph.is_replayable(op) and op not in nested:
             raise AssertionError(f"the replay of {source.name} would run {op.name} again")
-    copies = rewrite.copy_ops(ops, scope, list(control_inputs), replacements, graph=graph)
+    copies = rewrite.copy_ops(ops, scope, list(control_inputs), replacements, graph=graph,
+                              replay=replay_nested)
     made += [c for c in copies.values()]
     outputs = [copies[t.op].outputs[t.value_index] if t.op in copies
                else replacements[t.ref()] for t in visible]
@@ -271,7 +298,7 @@ def _inline(body: function_ops.BodyExposure, inputs: Sequence, exposed: Sequence
 
 def _exposed_values(op: tf.Operation, exposure: Exposure, branch: int) -> list:
     start = exposure.first_exposed[branch]
-    return op.outputs[start:start + len(exposure.bodies[branch].exposed_values)]
+    return op.outputs[start:start + exposure.bodies[branch].exposed_count]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,33 +319,43 @@ def replay_copy(op: tf.Operation, inputs: Sequence, control_inputs: Sequence,
     if bodies is None or graph is not op.graph:
         return None
     exposure = expose(op, bodies)
+    return _replayed(op, exposure.bodies,
+                     [_exposed_values(op, exposure, i) for i in range(len(bodies))],
+                     exposure.in_optionals, inputs, control_inputs, graph)
+
+
+def _replayed(op: tf.Operation, bodies: Sequence, values: Sequence[Sequence],
+              in_optionals: bool, inputs: Sequence, control_inputs: Sequence,
+              graph: tf.Graph) -> Replay:
+    """``op`` (a stateful call or cond) computed again in ``graph`` from ``inputs`` and its
+    bodies' exposed ``values`` (one list per body; a cond's in optionals if ``in_optionals``):
+    a call's body inline, a cond's branches in a new cond on the same predicate."""
     inputs = list(inputs)[:len(op.inputs)]
     with graph.as_default(), tf.name_scope(f"{op.name.split('/')[-1]}_replay"):
         if op.type in op_types.FUNCTION_CALL_OP_TYPES:
-            outputs, made = _inline(exposure.bodies[0], inputs, _exposed_values(op, exposure, 0),
-                                    "inline", control_inputs)
+            outputs, made = _inline(bodies[0], inputs, values[0], "inline", control_inputs)
         else:
-            outputs, made = _replay_cond(op, exposure, inputs, control_inputs)
+            outputs, made = _replay_cond(op, bodies, values, in_optionals, inputs,
+                                         control_inputs)
         stand_in = tf.identity_n(outputs, name="replayed")
     for original, copied in zip(op.outputs, stand_in):
         copied.set_shape(original.shape)
     return Replay(stand_in[0].op if stand_in else None, made + [stand_in[0].op])
 
 
-def _replay_cond(op, exposure: Exposure, inputs, control_inputs) -> tuple[list, list]:
+def _replay_cond(op, bodies, values, in_optionals, inputs, control_inputs) -> tuple[list, list]:
     """A new cond on the same predicate (branch index) whose branches replay the original's."""
     graph = tf.compat.v1.get_default_graph()
     first_op = len(graph.get_operations())
 
     def branch_fn(i):
-        body = exposure.bodies[i]
+        body = bodies[i]
 
         def replayed():
-            exposed = _exposed_values(op, exposure, i)
-            values = ([gen_optional_ops.optional_get_value(o, [t.dtype], [t.shape])[0]
-                       for o, t in zip(exposed, body.exposed_values)]
-                      if exposure.in_optionals else list(exposed))
-            outputs, _ = _inline(body, inputs[function_ops.input_offset(op):], values,
+            exposed = ([gen_optional_ops.optional_get_value(o, [dtype], [shape])[0]
+                        for o, (dtype, shape) in zip(values[i], body.value_specs())]
+                       if in_optionals else list(values[i]))
+            outputs, _ = _inline(body, inputs[function_ops.input_offset(op):], exposed,
                                  "replay", [])
             return outputs
         return replayed
@@ -327,8 +364,7 @@ def _replay_cond(op, exposure: Exposure, inputs, control_inputs) -> tuple[list, 
         if op.type in op_types.COND_OP_TYPES:
             outputs = tf.cond(inputs[0], branch_fn(0), branch_fn(1), name="replayed_cond")
         else:
-            outputs = tf.switch_case(inputs[0], [branch_fn(i) for i in
-                                                 range(len(exposure.bodies))],
+            outputs = tf.switch_case(inputs[0], [branch_fn(i) for i in range(len(bodies))],
                                      name="replayed_case")
     outputs = tf.nest.flatten(outputs)
     return outputs, list(graph.get_operations()[first_op:])

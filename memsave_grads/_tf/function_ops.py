@@ -462,6 +462,31 @@ def _gradient_facts(op: tf.Operation) -> GradientFacts | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class NestedExposure:
+    """A stateful cond or call inside a body that is itself replayed by exposure: the copy
+    of ``op`` in the exposed body outputs its own state (``bodies``), which the enclosing op
+    then outputs after the body's other exposed values; the replay replays ``op`` from them.
+
+    ``in_optionals``: a cond's values travel in optionals (outside XLA), as at the top level
+    (``_tf.exposure.Exposure``)."""
+
+    op: object
+    bodies: tuple
+    in_optionals: bool
+
+    @property
+    def exposed_count(self) -> int:
+        """How many values the exposed copy of ``op`` outputs in addition: every body's."""
+        return sum(b.exposed_count for b in self.bodies)
+
+    def value_specs(self) -> list:
+        """(dtype, shape) of each value it outputs in addition, in order."""
+        if self.in_optionals and self.op.type not in op_types.FUNCTION_CALL_OP_TYPES:
+            return [(tf.variant, tf.TensorShape([]))] * self.exposed_count
+        return [spec for b in self.bodies for spec in b.value_specs()]
+
+
+@dataclasses.dataclass(frozen=True)
 class BodyExposure:
     """How one body of a stateful cond or call is replayed (``_tf.exposure``).
 
@@ -477,6 +502,8 @@ class BodyExposure:
         dropout's boolean mask, not its uniform draw).
       dropped: stateful ops the replay leaves out (their outputs feed nothing it computes:
         assignments, prints of values computed before).
+      nested: the stateful conds and calls inside it (a Keras layer's call calling a
+        sublayer's, a function calling a function), each replayed by exposure in turn.
     """
 
     graph: object
@@ -484,29 +511,55 @@ class BodyExposure:
     reads: tuple
     exposed: tuple
     dropped: frozenset
+    nested: tuple = ()
 
     @property
     def exposed_values(self) -> list:
-        """What the forward op outputs in addition, in order: read values, gather indices,
-        then the exposed values."""
+        """The body's own tensors the forward op outputs in addition, in order: read values,
+        gather indices, then the exposed values (the nested ops' values follow them,
+        :attr:`exposed_count`)."""
         out = [read.outputs[0] for read in self.reads]
         out += [read.inputs[1] for read in self.reads if read.type != "ReadVariableOp"]
         return out + list(self.exposed)
 
     @property
-    def exposed_bytes(self) -> int:
-        """Bytes of :attr:`exposed_values` (reads of a variable alias it: none)."""
-        return sum(tf_graph.tensor_bytes(t) for t in self.exposed_values
-                   if t.op.type not in op_types.ALIAS_OP_TYPES)
+    def exposed_count(self) -> int:
+        """How many values the forward op outputs in addition for this body, nested ones
+        included."""
+        return len(self.exposed_values) + sum(n.exposed_count for n in self.nested)
+
+    def value_specs(self) -> list:
+        """(dtype, shape) of each of the :attr:`exposed_count` values, in order."""
+        return ([(t.dtype, t.shape) for t in self.exposed_values]
+                + [spec for n in self.nested for spec in n.value_specs()])
+
+    def exposed_bytes(self, xla: bool, as_buffers: bool = False) -> int:
+        """Bytes the forward op holds in addition for this body: reads of a variable alias
+        it (none) unless the values are copied into buffers of their own (``as_buffers``);
+        nested ops as :func:`exposure_bytes` counts them."""
+        own = sum(tf_graph.tensor_bytes(t) for t in self.exposed_values
+                  if as_buffers or t.op.type not in op_types.ALIAS_OP_TYPES)
+        return own + sum(exposure_bytes(n.op, n.bodies, xla, as_buffers) for n in self.nested)
 
 
-def exposure_plan(op: tf.Operation) -> list[BodyExposure] | None:
+def exposure_bytes(op: tf.Operation, bodies: Sequence[BodyExposure], xla: bool,
+                   as_buffers: bool = False) -> int:
+    """Bytes a stateful cond or call replayed by exposure outputs in addition: a call's body's;
+    a cond's largest branch's (one branch runs). Under XLA a conditional's outputs are buffers
+    of its own, all of them written by the branch that runs (zeros for the other branches'
+    values, ``_tf.exposure``): every branch's values, a variable read's too."""
+    if op.type not in op_types.FUNCTION_CALL_OP_TYPES and xla:
+        return sum(b.exposed_bytes(xla, as_buffers=True) for b in bodies)
+    return max(b.exposed_bytes(xla, as_buffers) for b in bodies)
+
+
+def exposure_plan(op: tf.Operation, xla: bool | None = None) -> list[BodyExposure] | None:
     """How to replay a *stateful* cond or call exactly, one entry per body; None where it
     cannot be (module docstring), or where it needs no exposure (a stateless op: copied as it
-    is). Under XLA, where cond_v2's optionals do not compile, a cond's branches output each
-    other's values as zeros (``_tf.exposure.expose``), so those values need static shapes.
-    Not for a call compiled on its own (``jit_compile``), not for an op whose gradient was
-    already built."""
+    is). Under XLA (``xla``; default: whether XLA compiles ``op``'s graph), where cond_v2's
+    optionals do not compile, a cond's branches output each other's values as zeros
+    (``_tf.exposure.expose``), so those values need static shapes. Not for a call compiled on
+    its own (``jit_compile``), not for an op whose gradient was already built."""
     if not (op.type in op_types.FUNCTION_CALL_OP_TYPES or op.type in op_types.COND_OP_TYPES
             or op.type in op_types.CASE_OP_TYPES):
         return None
@@ -520,14 +573,16 @@ def exposure_plan(op: tf.Operation) -> list[BodyExposure] | None:
     graphs = body_graphs(op)
     if graphs is None:
         return None
+    if xla is None:
+        xla = ordering.xla_in_effect(op.graph)
     plans = []
     for body in graphs:
-        plan = _body_exposure(body, body_outputs(op, body))
+        plan = _body_exposure(body, body_outputs(op, body), xla)
         if plan is None:
             return None
         plans.append(plan)
-    if (len(plans) > 1 and ordering.xla_in_effect(op.graph)
-            and not all(t.shape.is_fully_defined() for p in plans for t in p.exposed_values)):
+    if (len(plans) > 1 and xla
+            and not all(shape.is_fully_defined() for p in plans for _, shape in p.value_specs())):
         # Under XLA a branch gives zeros for the other branches' values (no optionals there):
         # of static shape only.
         return None
@@ -555,24 +610,28 @@ def _gradient_built(op: tf.Operation) -> bool:
     return any(name.endswith("_rewritten") for name in names)
 
 
-def _body_exposure(body, outputs) -> BodyExposure | None:
+def _body_exposure(body, outputs, xla: bool) -> BodyExposure | None:
     placeholders = {t.ref() for t in body.inputs}
     xs = [t for t in body.inputs if _differentiable_value(t)]
     ys = [t for t in outputs if tf_graph.carries_gradients(t)]
     region = set(tf_graph.forward_region(ys, xs)) if xs and ys else set()
     region_values = {t.ref() for t in xs} | {t.ref() for op in region for t in op.outputs}
     output_refs = {t.ref() for t in outputs}
-    reads, draws, dropped = [], [], set()
+    reads, draws, dropped, nested = [], [], set(), []
     for op in body.get_operations():
         if op.type in op_types.FEED_OP_TYPES or tf_graph.is_replayable(op):
             continue
-        if is_function_op(op):
-            return None  # a nested stateful function: not handled (design note)
         used = any(t.consumers() or t.ref() in output_refs for t in op.outputs)
         if tf_graph.is_handle_gradient_read(op) and op.inputs[0].ref() in placeholders:
             reads.append(op)
         elif not used:
             dropped.add(op)
+        elif is_function_op(op):
+            inner = exposure_plan(op, xla)  # a stateful call or cond: exposed in turn
+            if inner is None:
+                return None  # a stateful loop, or a body that cannot be replayed
+            nested.append(NestedExposure(op, tuple(inner), in_optionals=(
+                op.type not in op_types.FUNCTION_CALL_OP_TYPES and not xla)))
         elif any(t.ref() in region_values for t in op.inputs):
             return None  # it reads what the gradient flows through: it would have to rerun
         else:
@@ -580,7 +639,8 @@ def _body_exposure(body, outputs) -> BodyExposure | None:
     exposed = _state_cut(body, draws, region, output_refs)
     if exposed is None:
         return None
-    return BodyExposure(body, tuple(outputs), tuple(reads), tuple(exposed), frozenset(dropped))
+    return BodyExposure(body, tuple(outputs), tuple(reads), tuple(exposed), frozenset(dropped),
+                        tuple(nested))
 
 
 def _state_cut(body, draws, region, output_refs) -> list | None:

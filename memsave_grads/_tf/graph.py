@@ -155,7 +155,8 @@ def gradients_stopped_at(ys, sources, grad_ys, stops, **tf_gradients_kwargs) -> 
     """
     calls = {t.op for t in stops if is_function_call(t.op)}
     stops = [t for t in stops if t.op not in calls]
-    source_calls = frozenset(t.op for t in sources  # variables and eager values have no op
+    listed = sources if isinstance(sources, (list, tuple)) else [sources]
+    source_calls = frozenset(t.op for t in listed  # variables and eager values have no op
                              if isinstance(t, tf.Tensor) and not is_eager_tensor(t)
                              and is_function_call(t.op))
     if source_calls:

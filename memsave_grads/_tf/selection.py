@@ -140,18 +140,13 @@ class SelectionContext:
 
 def _exposed_bytes(op: tf.Operation) -> int:
     """Bytes a stateful cond or call outputs in addition where a plan replays it
-    (``function_ops.exposure_plan``; a cond runs one branch: the largest); 0 for other ops."""
+    (``function_ops.exposure_plan``, ``function_ops.exposure_bytes``); 0 for other ops."""
     if not function_ops.is_function_op(op) or tf_graph.is_replayable(op):
         return 0
     bodies = function_ops.exposure_plan(op)
     if not bodies:
         return 0
-    if op.type not in op_types.FUNCTION_CALL_OP_TYPES and ordering.xla_in_effect(op.graph):
-        # Under XLA a conditional's outputs are buffers of its own, all of them written by
-        # the branch that runs (zeros for the other branches' values, ``_tf.exposure``): a
-        # variable read is copied too.
-        return sum(tf_graph.tensor_bytes(t) for b in bodies for t in b.exposed_values)
-    return max(b.exposed_bytes for b in bodies)
+    return function_ops.exposure_bytes(op, bodies, ordering.xla_in_effect(op.graph))
 
 
 #: Convolutions oneDNN runs (other dtypes, such as float64 and float16, fall back to Eigen).

@@ -1,6 +1,6 @@
-"""The control-flow benchmark: the same residual blocks, written five ways (plain, a ``tf.cond``
+"""The control-flow benchmark: the same residual blocks, written six ways (plain, a ``tf.cond``
 per block, the same with dropout in the training branch, a nested ``tf.function`` per block,
-one ``tf.while_loop`` over stacked weights), trained one SGD step in a ``tf.function`` with
+one calling another per block, one ``tf.while_loop`` over stacked weights), trained one SGD step in a ``tf.function`` with
 ``tf.gradients`` and with memsave_grads ``"memory"`` (``memsave-grads benchmark --control-flow
 only``; docs/benchmarks.md, "Control flow and calls").
 
@@ -39,6 +39,7 @@ FORWARDS = (
     ("cond", "each block's branch inside tf.cond(training, ...)"),
     ("cond_dropout", "the same, with dropout in the training branch"),
     ("function", "each block a nested tf.function"),
+    ("function_of_function", "each block a tf.function calling another (a layer, a sublayer)"),
     ("while", "the blocks in one tf.while_loop over stacked weights"),
 )
 #: The residual branch's scale at inference in the cond rows (stochastic depth's survival
@@ -85,6 +86,11 @@ class Model:
         # One tf.function per block, made once: the nested function row calls each in the step.
         self.block_functions = [tf.function(lambda h, w=w: _block(h, w), autograph=False)
                                 for w in self.variables] if forward == "function" else []
+        if forward == "function_of_function":
+            inner = [tf.function(lambda h, w=w: tf.tanh(tf.matmul(h, w)), autograph=False)
+                     for w in self.variables]
+            self.block_functions = [tf.function(lambda h, f=f: h + f(h), autograph=False)
+                                    for f in inner]
 
     def loss(self, training: tf.Tensor) -> tf.Tensor:
         h = self.inputs
@@ -104,7 +110,7 @@ class Model:
                     lambda h=h, w=w, i=i: tf.nn.dropout(tf.tanh(tf.matmul(h, w)), DROPOUT_RATE,
                                                         seed=i + 1),
                     lambda h=h, w=w: tf.tanh(tf.matmul(h, w)))
-        elif self.forward_kind == "function":
+        elif self.forward_kind in ("function", "function_of_function"):
             for block in self.block_functions:
                 h = block(h)
         elif self.forward_kind == "while":
