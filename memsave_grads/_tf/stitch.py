@@ -376,7 +376,13 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
         # boundaries; its schedule keeps the sub-plans' nodes and copies each sub-segment once
         # more, later, recursively.
         sub_ops = {v: copies[state.ops[v]] for v in nested.members}
-        sub_waiters = {c for o, c in copies.items() if o is c or o in state.waiters}
+        # A replayed op's stand-in is among the ops its replay made, but it is the op's copy,
+        # a node of the sub-plan: not a waiter, or a sub-segment starting at it would copy the
+        # whole replay again instead of reading its boundary (and lose the partials of what
+        # the replay read).
+        nodes = set(sub_ops.values())
+        sub_waiters = {c for o, c in copies.items()
+                       if (o is c or o in state.waiters) and c not in nodes}
         sub_options = dataclasses.replace(state.options, unconnected_zero=False,
                                           scope_prefix=f"{scope}/nested")
         grads = backprop([t for t, c in zip(targets, copied) if c],
