@@ -224,9 +224,11 @@ def loop_invariant_positions(body, outputs) -> set[int]:
     return out
 
 
-def _body_facts(body, outputs, facts: FactsFunction, loop: bool) -> _BodyFacts:
+def _body_facts(body, outputs, facts: FactsFunction, loop: bool,
+                copies_reads: bool = False) -> _BodyFacts:
     """Model one body graph (its op's ``outputs`` among the graph's): what its gradient reads
-    (the module docstring)."""
+    (the module docstring). ``copies_reads``: a variable's value the gradient reads is a
+    buffer of its own, not the variable's (an XLA conditional outputs it)."""
     placeholders = list(body.inputs)
     position = {t.ref(): i for i, t in enumerate(placeholders)}
     invariant = loop_invariant_positions(body, outputs) if loop else set()
@@ -248,6 +250,9 @@ def _body_facts(body, outputs, facts: FactsFunction, loop: bool) -> _BodyFacts:
     saved, reads_output = 0, False
     for v, op in enumerate(region):
         saved += model.internal_saved(v)
+        if copies_reads and op.type in op_types.VARIABLE_READ_OP_TYPES and read_by_gradient(v):
+            saved += tf_graph.tensor_bytes(op.outputs[0])  # 0 in the model: it aliases
+            continue
         if model.is_view(v) or not model.size_bytes[v] or not read_by_gradient(v):
             continue
         if not loop and any(t.ref() in output_refs for t in op.outputs):
@@ -280,7 +285,8 @@ def _body_facts(body, outputs, facts: FactsFunction, loop: bool) -> _BodyFacts:
             if source.ref() in position:
                 read_positions.add(position[source.ref()])
             elif (source.ref() not in counted and source.op.type != "Const"
-                  and source.op.type not in op_types.ALIAS_OP_TYPES):
+                  and (source.op.type not in op_types.ALIAS_OP_TYPES
+                       or (copies_reads and source.op.type in op_types.VARIABLE_READ_OP_TYPES))):
                 counted.add(source.ref())
                 saved += tf_graph.tensor_bytes(source)
     input_bytes = state_bytes = read_gradient_bytes = 0
@@ -426,7 +432,12 @@ def _gradient_facts(op: tf.Operation) -> GradientFacts | None:
         return None
     loop = op.type in op_types.WHILE_OP_TYPES
     try:
-        bodies = [_body_facts(g, body_outputs(op, g), gradient_facts, loop) for g in graphs]
+        # Under XLA cond_v2 outputs every branch's intermediates, zeros where another branch
+        # ran: buffers of the conditional's own, variable reads copied.
+        xla_conditional = not loop and ordering.xla_in_effect(op.graph) and (
+            op.type in op_types.COND_OP_TYPES or op.type in op_types.CASE_OP_TYPES)
+        bodies = [_body_facts(g, body_outputs(op, g), gradient_facts, loop, xla_conditional)
+                  for g in graphs]
     except (ValueError, TypeError, AttributeError) as e:  # a body we cannot model
         _LOG.debug("memsave_grads: cannot model the body of %s: %s", op.name, e)
         return None
@@ -438,8 +449,12 @@ def _gradient_facts(op: tf.Operation) -> GradientFacts | None:
         # gradients read the op's outputs, those count as their branch's saved bytes.
         reads_output = all(b.reads_output for b in bodies)
         output_bytes = sum(tf_graph.tensor_bytes(t) for t in op.outputs)
-        saved = max(b.saved_bytes + (output_bytes if b.reads_output and not reads_output else 0)
-                    for b in bodies)
+        if xla_conditional:  # every branch's values (above), the outputs once
+            saved = sum(b.saved_bytes for b in bodies) + (
+                output_bytes if any(b.reads_output for b in bodies) and not reads_output else 0)
+        else:
+            saved = max(b.saved_bytes + (output_bytes if b.reads_output and not reads_output
+                                         else 0) for b in bodies)
         return GradientFacts(saved_bytes=saved, read_inputs=read, reads_output=reads_output,
                              cost=max(b.cost for b in bodies))
     (body,) = bodies
