@@ -323,7 +323,7 @@ def test_dropout_in_a_branch_exposes_its_boolean_mask():
                       lambda: tf.nn.dropout(tf.tanh(tf.matmul(h, v)), 0.5),
                       lambda: tf.tanh(tf.matmul(h, v)))
         bodies = function_ops.exposure_plan(out.op.inputs[0].op)
-        return [([r.type for r in b.reads], [t.dtype for t in b.exposed], b.exposed_bytes)
+        return [([r.type for r in b.reads], [t.dtype for t in b.exposed], b.exposed_bytes(False))
                 for b in bodies]
 
     training, inference = _traced(build)
