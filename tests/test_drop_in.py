@@ -5,9 +5,11 @@ forward pass (plain and ``jit_compile``), and ``colocate_gradients_with_ops``.""
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.framework import function as framework_function
 
 import memsave_grads as mg
 from memsave_grads._tf import stitch
+from memsave_grads.patching import original_gradients
 from conftest import assert_grads_close
 
 STRATEGIES = ["memory", "speed"]
@@ -228,3 +230,27 @@ def test_colocated_gradients_follow_the_forward_ops(strategy, graph):
     assert not stray
     for g in grads:
         assert set(g.op.colocation_groups()) <= forward
+
+
+@pytest.mark.never_worse  # the plain path (gradients_stopped_at): a graph this small falls back
+def test_a_source_call_between_the_sources_keeps_its_gradient():
+    """``h = f(x)`` with ``f`` a Defun (a call op with no gradient function: tf.gradients
+    differentiates it with ``SymbolicGradient``), sources ``[x, h]``: the call is between the
+    sources and the loss, not one of tf.gradients' stop ops, so its SymbolicGradient carries
+    the path from the loss to ``x`` through ``h``. ``gradients_stopped_at`` suppressed it for
+    every call whose output is a source (found in review; the plain path here: a graph this
+    small falls back)."""
+    @framework_function.Defun(tf.float64)
+    def f(x):
+        return tf.tanh(x) * 2.0
+
+    with tf.Graph().as_default():
+        x = tf.constant(np.linspace(-1.0, 1.0, 6), tf.float64)
+        h = f(x)
+        h.set_shape(x.shape)
+        loss = tf.reduce_sum(tf.sin(h) * x)
+        ours = mg.gradients(loss, [x, h])
+        reference = original_gradients(loss, [x, h])
+        with tf.compat.v1.Session() as session:
+            got, expected = session.run([ours, reference])
+    assert_grads_close(got, expected, rtol=1e-10)

@@ -34,6 +34,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import record
 from tensorflow.python.framework import func_graph as func_graph_module
+from tensorflow.python.ops import cond_v2
 from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import gen_optional_ops
 from tensorflow.python.ops import handle_data_util
@@ -324,6 +325,17 @@ def replay_copy(op: tf.Operation, inputs: Sequence, control_inputs: Sequence,
                      exposure.in_optionals, inputs, control_inputs, graph)
 
 
+def expose_for_replay(op: tf.Operation) -> None:
+    """Expose ``op`` now if it is a stateful cond or call a level may replay: before any
+    gradient is built. TensorFlow's own gradient of a call (the top segment's, a kept one's)
+    rewrites the calls inside the function it runs, in that function's shared body graph, and
+    a body rewritten so no longer says what the call computed: planned replays then refused at
+    copy time (design note "control flow and calls", "Nested stateful conds and calls")."""
+    bodies = function_ops.exposure_plan(op)
+    if bodies is not None:
+        expose(op, bodies)
+
+
 def _replayed(op: tf.Operation, bodies: Sequence, values: Sequence[Sequence],
               in_optionals: bool, inputs: Sequence, control_inputs: Sequence,
               graph: tf.Graph) -> Replay:
@@ -360,12 +372,15 @@ def _replay_cond(op, bodies, values, in_optionals, inputs, control_inputs) -> tu
             return outputs
         return replayed
 
+    # cond_v2 whatever the process's setting: under disable_v2_behavior tf.cond builds TF1
+    # control flow, whose gradient a nested level and a second derivative refuse.
     with tf.control_dependencies(list(control_inputs)):
         if op.type in op_types.COND_OP_TYPES:
-            outputs = tf.cond(inputs[0], branch_fn(0), branch_fn(1), name="replayed_cond")
+            outputs = cond_v2.cond_v2(inputs[0], branch_fn(0), branch_fn(1),
+                                      name="replayed_cond")
         else:
-            outputs = tf.switch_case(inputs[0], [branch_fn(i) for i in range(len(bodies))],
-                                     name="replayed_case")
+            outputs = cond_v2.indexed_case(inputs[0], [branch_fn(i) for i in range(len(bodies))],
+                                           name="replayed_case")
     outputs = tf.nest.flatten(outputs)
     return outputs, list(graph.get_operations()[first_op:])
 

@@ -125,11 +125,29 @@ def _symbolic_gradient_unless_source(op, out_grads):
 
 def _install_source_call_guard() -> None:
     """Route tf.gradients' ``SymbolicGradient`` through :func:`_symbolic_gradient_unless_source`;
-    once, on first use (never at import). Outside :func:`gradients_stopped_at` it only delegates."""
-    current = gradients_util._SymGrad  # pylint: disable=protected-access
-    if current is not _symbolic_gradient_unless_source:
-        _symbolic_gradient_unless_source.__wrapped__ = current
+    once, on first use (never at import), whatever wraps it after us (wrapping ours again
+    would make the two call each other). Outside :func:`gradients_stopped_at` it only
+    delegates."""
+    if not hasattr(_symbolic_gradient_unless_source, "__wrapped__"):
+        _symbolic_gradient_unless_source.__wrapped__ = gradients_util._SymGrad  # pylint: disable=protected-access
         gradients_util._SymGrad = _symbolic_gradient_unless_source  # pylint: disable=protected-access
+
+
+def _stop_calls(sources: Sequence) -> frozenset:
+    """The function calls among ``sources``' ops that tf.gradients does not differentiate but
+    builds a ``SymbolicGradient`` for anyway (its ``_StopOps``): none of their inputs depends
+    on a source. The walk upstream stays among ops newer than the oldest source's op: an op
+    that depends on a source was made after it."""
+    ops = {t.op for t in sources  # variables and eager values have no op
+           if isinstance(t, tf.Tensor) and not is_eager_tensor(t)}
+    calls = [op for op in ops if is_function_call(op)]
+    if not calls:
+        return frozenset()
+    floor = min(creation_index(op) for op in ops)
+    return frozenset(
+        call for call in calls
+        if not any(op in ops for op in walk(input_ops(call), input_ops,
+                                            include=lambda op: creation_index(op) >= floor)))
 
 
 def gradients_stopped_at(ys, sources, grad_ys, stops, **tf_gradients_kwargs) -> list:
@@ -146,19 +164,17 @@ def gradients_stopped_at(ys, sources, grad_ys, stops, **tf_gradients_kwargs) -> 
       the duration of this call such a stop's op gets a gradient function that returns None
       instead, and is left out of ``stop_gradients``: the gradient of a stop (a source too)
       is still what reaches it, and nothing goes beyond it.
-    - a call whose output is a source and whose inputs are not between the sources and
-      ``ys`` (tf.gradients' "stop ops"): its ``SymbolicGradient`` is usually dead, but XLA
-      compiles dead ops, and it has no XLA kernel for a call that calls another function
-      (TF 2.21: ``tf.gradients(loss, [h])`` with ``h`` such a call's output fails to compile
-      under ``jit_compile`` in plain TensorFlow too). Nothing reads it (its inputs are not
-      between), so such calls get no gradient here (:func:`_symbolic_gradient_unless_source`).
+    - a call whose output is a source and none of whose inputs depends on a source
+      (tf.gradients' "stop ops"): its ``SymbolicGradient`` is dead, but XLA compiles dead ops,
+      and it has no XLA kernel for a call that calls another function (TF 2.21:
+      ``tf.gradients(loss, [h])`` with ``h`` such a call's output fails to compile under
+      ``jit_compile`` in plain TensorFlow too). Such calls get no gradient here
+      (:func:`_stop_calls`, :func:`_symbolic_gradient_unless_source`); a source call whose
+      input depends on another source is differentiated (its gradient is the path to it).
     """
     calls = {t.op for t in stops if is_function_call(t.op)}
     stops = [t for t in stops if t.op not in calls]
-    listed = sources if isinstance(sources, (list, tuple)) else [sources]
-    source_calls = frozenset(t.op for t in listed  # variables and eager values have no op
-                             if isinstance(t, tf.Tensor) and not is_eager_tensor(t)
-                             and is_function_call(t.op))
+    source_calls = _stop_calls(sources if isinstance(sources, (list, tuple)) else [sources])
     if source_calls:
         _install_source_call_guard()
     saved = [(op, op._gradient_function) for op in calls]  # pylint: disable=protected-access

@@ -22,6 +22,7 @@ from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.util import tf_stack
 
+from memsave_grads import errors
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import ordering
 from memsave_grads.core import op_types
@@ -97,6 +98,13 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
                 copies.update((made, made) for made in replayed.made)
                 copies[op] = replayed.stand_in
                 continue
+            if replay is not None and not tf_graph.is_replayable(op):
+                # A plan never recomputes a stateful op it cannot replay; copied, it would
+                # draw or read again (design note "never replay state").
+                raise errors.UnsupportedGraphError(
+                    f"memsave_grads: the stateful op {op.name!r} ({op.type}) would be run again "
+                    "in a recomputation, which would change the gradients; this is a bug in "
+                    "memsave_grads. Use tf.gradients for this graph (fallback='warn' does).")
             if extra and op.type in op_types.WHILE_OP_TYPES:
                 # while_v2's gradient appends accumulator inputs to the forward While op; a
                 # NodeDef whose data inputs follow control inputs is invalid in a Session. The

@@ -207,6 +207,8 @@ def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence
     (``rewrite.copy_ops``); they belong to the segment of the op they feed.
     """
     state = _Backprop(ops, sched, xs, options, waiters)
+    for v in sorted({v for members in sched.owned.values() for v in members}):
+        exposure.expose_for_replay(ops[v])  # before any gradient is built
     _top(state, ys, grad_ys, state.with_waiters(ops[v] for v in sched.top))
     for level in sched.levels:
         _level(state, model, sched, level.number, level.kept)

@@ -41,6 +41,7 @@ from memsave_grads import errors
 from memsave_grads.core import budgets
 from memsave_grads.core import fast_replay
 from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import planners
 from memsave_grads.core.solvers import problem as problem_lib
@@ -147,6 +148,10 @@ def _nested_below(problem: problem_lib.BudgetProblem) -> plan_lib.Plan | None:
     if found is None or found[1] > NESTED_PEAK_FACTOR * problem.budget_bytes:
         return None
     cost, peak, plan = found
+    if memory_model.copied_cost(problem.graph, plan) > cap:
+        # Within the cap only without the levels' copies of their kept nodes (calls of a
+        # block's function: each a whole block): more than one forward pass after all.
+        return None
     _LOG.debug("memsave_grads: memory: nested levels predict %d bytes against the single "
                "level's %d, for %.3g of the forward pass recomputed", peak,
                problem.budget_bytes, cost / problem.graph.forward_cost())
