@@ -516,3 +516,31 @@ def test_memory_recomputes_at_most_one_forward_pass_of_calls():
 
     trace.get_concrete_function()
     assert found["copied"] <= 1.0, found
+
+
+def test_tape_second_order_through_a_cond_inside_a_call():
+    """``mg.patch()``ed tapes, a Hessian-vector product over blocks that each call a function
+    holding a cond: the outer tape hands back gradients (zeros) for the call's boolean
+    intermediate too, which a level passed to tf.gradients as a target's gradient
+    ("must be numeric to obtain a default gradient"; found in review, before this stop too)."""
+    weights = [tf.Variable(np.random.RandomState(k).randn(5, 5) * 0.4) for k in range(4)]
+    blocks = [tf.function(lambda h, t, w=w: h + tf.cond(t, lambda: tf.tanh(h @ w),
+                                                         lambda: tf.sin(h @ w)),
+                          autograph=False) for w in weights]
+
+    def step(t):
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as tape:
+                h = tf.ones([6, 5], tf.float64)
+                for block in blocks:
+                    h = block(h, t)
+                loss = tf.reduce_sum(h * h)
+            first = tape.gradient(loss, weights)
+            dot = tf.add_n([tf.reduce_sum(g * tf.sin(g)) for g in first])
+        return first + outer.gradient(dot, weights)
+
+    t = tf.constant(True)
+    expected = tf.function(step, autograph=False)(t)
+    with mg.patch("memory", fallback="error"):
+        got = tf.function(step, autograph=False)(t)
+    assert_grads_close(got, expected, rtol=1e-10)

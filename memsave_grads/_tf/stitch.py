@@ -365,7 +365,9 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
         op = state.ops[k]
         produced = copies.get(op, op)
         for t, d in zip(produced.outputs, ds):
-            if d is not None:
+            # A boolean or integer output's "gradient" (zeros a tape hands back for a call's
+            # outputs) flows nowhere, and tf.gradients refuses it as a target's.
+            if d is not None and tf_graph.carries_gradients(t):
                 targets.append(t)
                 target_grads.append(d)
                 copied.append(produced is not op)
