@@ -81,10 +81,27 @@ def loops_recomputed_inside(enabled: bool):
 
 
 @dataclasses.dataclass
+class GradientsCall:
+    """One outermost :func:`gradients` call made in a graph inside
+    :func:`counting_gradients_calls`: what it differentiated and what it returned."""
+
+    ys: list
+    xs: list
+    grads: list
+    #: Creation indices (``tf_graph.creation_index``) bounding the ops the call made: every
+    #: one is newer than ``before_op_id`` and none newer than ``after_op_id``.
+    before_op_id: int
+    after_op_id: int
+
+
+@dataclasses.dataclass
 class GradientsCalls:
-    """How many :func:`gradients` calls were made inside :func:`counting_gradients_calls`."""
+    """The :func:`gradients` calls made inside :func:`counting_gradients_calls`: how many
+    (nested ones too: a recomputed loop step's own), and the outermost ones made in a graph."""
 
     calls: int = 0
+    made: list[GradientsCall] = dataclasses.field(default_factory=list)
+    depth: int = 0
 
 
 _GRADIENTS_CALLS: contextvars.ContextVar[GradientsCalls | None] = contextvars.ContextVar(
@@ -230,8 +247,27 @@ def gradients(ys: Targets, xs: Sources, grad_ys: Targets | None = None,
     """
     _validate.check_fallback(fallback)
     calls = _GRADIENTS_CALLS.get()
-    if calls is not None:
-        calls.calls += 1
+    if calls is None:
+        return _gradients_checked(ys, xs, grad_ys, checkpoints, fallback, tf_gradients_kwargs)
+    calls.calls += 1
+    if calls.depth or tf.executing_eagerly():
+        return _gradients_checked(ys, xs, grad_ys, checkpoints, fallback, tf_gradients_kwargs)
+    graph = tf.compat.v1.get_default_graph()
+    before_op_id = tf_graph.last_op_id(graph)
+    calls.depth += 1
+    try:
+        grads = _gradients_checked(ys, xs, grad_ys, checkpoints, fallback, tf_gradients_kwargs)
+    finally:
+        calls.depth -= 1
+    calls.made.append(GradientsCall(
+        ys=tf.nest.flatten(ys), xs=tf.nest.flatten(xs), grads=list(grads),
+        before_op_id=before_op_id, after_op_id=tf_graph.last_op_id(graph)))
+    return grads
+
+
+def _gradients_checked(ys, xs, grad_ys, checkpoints, fallback: str,
+                       tf_gradients_kwargs: dict) -> Gradients:
+    """:func:`gradients` once its ``fallback`` is checked."""
     if fallback == "warn":
         return _gradients_falling_back(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
     return _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)

@@ -177,12 +177,12 @@ def minimize(loss: tf.Tensor, optimizer: Any, var_list: Sequence[tf.Variable] | 
                 f"{', ...' if len(var_list) > 3 else ''}). Pass the variables the loss is "
                 "computed from.")
 
-        grad_floor = early_release.last_op_id(graph)
+        grad_floor = tf_graph.last_op_id(graph)
         if checkpoints is None:
             grads = tf_graph.ORIGINAL_GRADIENTS([loss], var_list)
         else:
             grads = api.gradients(loss, var_list, checkpoints=checkpoints)
-        apply_floor = early_release.last_op_id(graph)
+        apply_floor = tf_graph.last_op_id(graph)
         grads_and_vars = list(zip(grads, var_list))
         if family == _V1:
             result = optimizer.apply_gradients(grads_and_vars, global_step=global_step,

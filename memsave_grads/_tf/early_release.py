@@ -6,7 +6,7 @@ through :func:`order_updates_early` (design note "early release" in docs/design.
 (``Operation._add_control_inputs``); it only ever adds them to operations created by the
 current training step's gradients and updates, never to the user's forward graph. The graph walks
 are ``_tf.graph.walk``; "newer than ``floor``" compares creation indices
-(``_tf.graph.creation_index``): a ``floor`` is :func:`last_op_id` taken before a phase
+(``_tf.graph.creation_index``): a ``floor`` is ``_tf.graph.last_op_id`` taken before a phase
 (backprop, ``apply_gradients``) adds its ops.
 """
 
@@ -24,11 +24,6 @@ from memsave_grads.core import op_types
 
 #: This module's messages: a child of the ``memsave_grads`` logger.
 _LOG = logging.getLogger(__name__)
-
-
-def last_op_id(graph: tf.Graph) -> int:
-    """The creation index of the newest op in ``graph`` (ops created later have larger ones)."""
-    return max((tf_graph.creation_index(op) for op in graph.get_operations()), default=0)
 
 
 def _newer_than(floor: int):
@@ -52,6 +47,9 @@ class VariableUpdate:
     #: ops of ``update_ops`` that no other variable's update shares and that do not need the
     #: gradient, with inputs: they are delayed until the gradient is computed.
     early_roots: list = dataclasses.field(default_factory=list)
+    #: the ops computing the gradient side where a gradient-free term joins it (``-g * lr`` in
+    #: ``-g * lr + m * momentum``): the early roots wait for them where they can.
+    joined_terms: list = dataclasses.field(default_factory=list)
     #: ops of the forward and backward passes that read the variable's value before the update.
     readers: list = dataclasses.field(default_factory=list)
 
@@ -77,6 +75,24 @@ def gradient_producers(grad, floor: int) -> list[tf.Operation]:
     return sorted((op for op in followed if not passes_on(op)), key=tf_graph.creation_index)
 
 
+def _consumers_by_position(op: tf.Operation) -> list[tf.Operation]:
+    """The ops reading ``op``'s outputs, an ``IdentityN`` among them followed through the
+    output at the position it reads them (tf_keras' sum over one replica passes every
+    gradient through one: each update reads its own gradient's position, not the others')."""
+    found, seen = [], set()
+    pending = list(op.outputs)
+    while pending:
+        tensor = pending.pop()
+        for consumer in tensor.consumers():
+            if consumer.type == "IdentityN":
+                pending.extend(out for given, out in zip(consumer.inputs, consumer.outputs)
+                               if given is tensor)
+            elif consumer not in seen:
+                seen.add(consumer)
+                found.append(consumer)
+    return found
+
+
 def update_ops(grad, handle: tf.Tensor, floor: int) -> tuple[list, list]:
     """The ops newer than ``floor`` (made by ``apply_gradients``) that update the variable.
 
@@ -87,8 +103,8 @@ def update_ops(grad, handle: tf.Tensor, floor: int) -> tuple[list, list]:
     and hold until the gradient arrives).
     """
     newer = _newer_than(floor)
-    seeds = [c for op in _grad_ops(grad) for c in tf_graph.consumer_ops(op)]
-    fed = set(tf_graph.walk(seeds + list(handle.consumers()), tf_graph.consumer_ops,
+    seeds = [c for op in _grad_ops(grad) for c in _consumers_by_position(op)]
+    fed = set(tf_graph.walk(seeds + list(handle.consumers()), _consumers_by_position,
                             include=newer))
     needed = tf_graph.walk([dep for op in fed for dep in tf_graph.dependency_ops(op)],
                            tf_graph.dependency_ops,
@@ -113,7 +129,13 @@ def value_readers(handle: tf.Tensor, floor: int) -> list[tf.Operation]:
 
 def mark_early_roots(updates: Sequence[VariableUpdate]) -> None:
     """Fill ``early_roots``: per update, the first ops that need neither the gradient nor
-    anything another update shares (``momentum * m`` reads a slot and a constant)."""
+    anything another update shares (``momentum * m`` reads a slot and a constant); and
+    ``joined_terms``, what those terms meet.
+
+    The roots wait for the gradient side of the ops where their terms join it, not only for
+    the ops producing the gradient: where the gradient reaches the update through an op that
+    waits for every gradient (tf_keras' sum over replicas, a global-norm clip), a term
+    computed when its own gradient exists is still held until the last one is."""
     owners: dict = {}
     for update in updates:
         for op in update.update_ops:
@@ -126,6 +148,11 @@ def mark_early_roots(updates: Sequence[VariableUpdate]) -> None:
         update.early_roots = sorted(
             (op for op in candidates if not any(t.op in candidates for t in op.inputs)),
             key=tf_graph.creation_index)
+        gradient_side = fed.union(_grad_ops(update.grad))
+        gradient_free = set(update.update_ops) - fed
+        joins = [op for op in update.fed_ops if any(t.op in gradient_free for t in op.inputs)]
+        update.joined_terms = sorted({t.op for op in joins for t in op.inputs
+                                      if t.op in gradient_side}, key=tf_graph.creation_index)
 
 
 def _sinks(ops: Sequence[tf.Operation]) -> list[tf.Operation]:
@@ -272,19 +299,25 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int,
         for root in update.early_roots:
             # Walked from the root, not back from the producers: a root's descendants are a
             # few update ops, the producers' ancestors the backward pass.
-            if producers & dependencies.descendants([root]):
+            downstream = dependencies.descendants([root])
+            joined = [op for op in update.joined_terms if op not in downstream]
+            if joined:
+                _add_control_inputs(root, joined)
+            elif producers & downstream:
                 stats["skipped_cycles"] += 1
                 continue
-            _add_control_inputs(root, update.producers)
+            else:
+                _add_control_inputs(root, update.producers)
             stats["wait_for_gradient"] += 1
     return stats
 
 
-def order_updates_early(loss: tf.Tensor, var_list: Sequence, handles: Sequence, grads: Sequence,
+def order_updates_early(loss, var_list: Sequence, handles: Sequence, grads: Sequence,
                         grad_floor: int, apply_floor: int, optimizer_name: str,
                         caller: str, release_order: bool = True) -> None:
     """Add the early-release edges to one training step (design note "early release"):
-    ``grads`` of ``loss`` were built after op ``grad_floor``, the optimizer's update ops after
+    ``grads`` of ``loss`` (a tensor, or the list of a call's targets) were built after op
+    ``grad_floor``, the optimizer's update ops after
     ``apply_floor``, in the current graph. Shared by ``memsave_grads.minimize`` and Keras'
     ``wrap_model``: with ``release_gradients_early=True`` all of them, otherwise
     (``release_order=False``) only the edges that keep each update's gradient-free terms and
@@ -338,6 +371,7 @@ def order_updates_early(loss: tf.Tensor, var_list: Sequence, handles: Sequence, 
                   stats["skipped_cycles"])
 
 
-def _step_ancestors(loss: tf.Tensor) -> set:
-    """Every op the forward pass of ``loss`` depends on (data or control)."""
-    return set(tf_graph.walk([loss.op], tf_graph.dependency_ops))
+def _step_ancestors(loss) -> set:
+    """Every op the forward pass of ``loss`` (a tensor or a list of them) depends on (data or
+    control)."""
+    return set(tf_graph.walk([t.op for t in tf.nest.flatten(loss)], tf_graph.dependency_ops))

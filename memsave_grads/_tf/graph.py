@@ -94,6 +94,11 @@ def creation_index(op: tf.Operation) -> int:
     return op._id  # pylint: disable=protected-access
 
 
+def last_op_id(graph: tf.Graph) -> int:
+    """The creation index of the newest op in ``graph`` (ops created later have larger ones)."""
+    return max((creation_index(op) for op in graph.get_operations()), default=0)
+
+
 def colocated_with(op: tf.Operation):
     """A context placing new ops with ``op`` whatever the enclosing colocation, as
     tf.gradients' sums are placed (``_MultiDeviceAddN``)."""

@@ -144,6 +144,7 @@ def run_wrapped_step(model, flavour: Flavour, data, options: StepOptions):
     # Run eagerly, routed tapes are TensorFlow's (each kind noticed there): no count to read.
     if not counted.calls and not tf.executing_eagerly():
         _no_gradient_computed(model, options.fallback)
+    updates.order_own_step_updates(model, flavour, counted.made)
     return result
 
 

@@ -10,12 +10,13 @@ iterations, learning-rate schedule and weight decay are untouched.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import tensorflow as tf
 
 from memsave_grads import errors
 from memsave_grads._tf import early_release
+from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import ordering
 from memsave_grads.keras.flavour import Flavour
 
@@ -73,9 +74,9 @@ def apply_releasing_early(model, flavour: Flavour, loss, compute_gradients: Call
     optimizer = model.optimizer
     variables = list(model.trainable_weights)
     graph = tf.compat.v1.get_default_graph()
-    grad_floor = early_release.last_op_id(graph)
+    grad_floor = tf_graph.last_op_id(graph)
     grads = compute_gradients()
-    apply_floor = early_release.last_op_id(graph)
+    apply_floor = tf_graph.last_op_id(graph)
     # Outside a strategy the sum over one replica is the gradients themselves, but Keras builds
     # it as one op over all of them, which would hold every gradient until the last is
     # complete: the flavour skips it. Strategies never get here: release_gradients_early
@@ -86,3 +87,33 @@ def apply_releasing_early(model, flavour: Flavour, loss, compute_gradients: Call
     early_release.order_updates_early(loss, tf_variables, handles, grads, grad_floor,
                                       apply_floor, type(optimizer).__name__,
                                       "memsave_grads.keras", release_order=release_order)
+
+
+def order_own_step_updates(model, flavour: Flavour, made: Sequence) -> None:
+    """Order the updates a model's own ``train_step`` made from the gradients it took through
+    memsave_grads (``made``: the ``api.GradientsCall`` records of its trace) as the default
+    step orders its own (design note "early release"): no release order (Keras applies the
+    gradients together), but each variable's writes wait for the ops holding its forward
+    value, and its update's gradient-free terms (tf_keras' SGD computes ``m * momentum`` even
+    at momentum 0) for its gradient. Left to dataflow where the default step leaves them
+    (strategies, loss scaling, global clipping, XLA) and where the step took several
+    gradients (a GAN's two tapes): which updates belong to which is not known."""
+    if len(made) != 1 or not updates_wait_for_gradients(model, flavour, False):
+        return
+    call = made[0]
+    graph = tf.compat.v1.get_default_graph()
+    handles, grads = [], []
+    for x, grad in zip(call.xs, call.grads):
+        # A variable's handle (a routed tape's sources are handles; memsave_grads.gradients
+        # may be given the variables), as the step's ops read it: an eager handle through
+        # its capture.
+        handle = x if getattr(x, "dtype", None) == tf.resource else getattr(x, "handle", None)
+        handle = None if handle is None else tf_graph.as_seen_from(handle, graph)
+        if grad is not None and handle is not None:
+            handles.append(handle)
+            grads.append(grad)
+    if not handles:
+        return
+    early_release.order_updates_early(
+        call.ys, handles, handles, grads, call.before_op_id, call.after_op_id,
+        type(model.optimizer).__name__, "memsave_grads.keras", release_order=False)
