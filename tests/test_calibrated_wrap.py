@@ -299,7 +299,7 @@ def _mlp_without_dropout(keras, jit_compile=False):
     return model
 
 
-@FLAVOURS
+@one_flavour_by_default("keras3")
 def test_calibrating_trains_nothing_and_the_step_matches_stock(flavour):
     """The calibration runs the step several times and restores every variable (weights,
     batch-norm statistics, momentum, iterations): after two wrapped steps the weights equal

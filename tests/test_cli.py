@@ -146,6 +146,7 @@ def test_measure_model_gradients_match():
     assert harness.summary_line(results, harness.MEMORY).startswith("memsave_grads 'memory': ")
 
 
+@pytest.mark.slow  # ~50 s: every method compiled with and without XLA
 def test_xla_measure_model_rows_and_table():
     from memsave_grads.bench import xla as bench_xla  # pylint: disable=import-outside-toplevel
     spec = models.XlaSpec("tiny residual MLP", "mlp",
@@ -254,6 +255,7 @@ def test_solvers_command_plans_the_chosen_networks():
     assert rows[0].endswith(f"| {greedy.plan_limit(ops)} |") and "greedy recomputes" in proc.stdout
 
 
+@pytest.mark.slow  # ~20 s: the benchmark's Keras models at full size (graphs only)
 def test_keras_models_build_and_explain():
     """Every Keras model of the benchmark builds in a graph and gets a plan that saves memory."""
     pytest.importorskip("tf_keras")

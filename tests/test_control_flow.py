@@ -233,6 +233,64 @@ def test_second_order_through_the_new_paths(kind, monkeypatch):
                                rtol=1e-10)
 
 
+def _shared_blocks(kind, weights):
+    """Per block one ``tf.function`` made once, so that every trace calls the same concrete
+    functions: a call of a call of a call, or a call of a call holding a cond with dropout."""
+    blocks = []
+    for i, w in enumerate(weights):
+        innermost = tf.function(lambda h, w=w: tf.tanh(tf.matmul(h, w)), autograph=False)
+        if kind == "calls_of_calls":
+            middle = tf.function(lambda h, t, f=innermost: tf.sin(f(h)), autograph=False)
+        else:  # "cond_in_calls"
+            middle = tf.function(lambda h, t, f=innermost, i=i: tf.cond(
+                t, lambda: tf.nn.dropout(f(h), 0.25, seed=i + 1), lambda: f(h) * 0.5),
+                autograph=False)
+        blocks.append(tf.function(
+            lambda h, t, f=middle, w=w: h + f(h, t) * tf.cos(tf.matmul(h, w)),
+            autograph=False))
+    return blocks
+
+
+@pytest.mark.parametrize("kind", ["calls_of_calls", "cond_in_calls"])
+def test_a_later_trace_of_the_same_functions_still_replays_them(kind):
+    """TensorFlow's gradient of a call rewrites the nested calls and conds of the called
+    function's body in place (``__forward_`` calls, ``_rewritten`` branches registered in
+    that gradient's graph). A step traced after a plain tf.gradients step of the same
+    functions (a reference step, a stock model trained first, a retrace) still exposes and
+    replays them, exact to second order (float64, 1e-10); before, it kept every call and
+    saved nothing (design note "control flow and calls")."""
+    x, weights, _ = _variables()
+    blocks = _shared_blocks(kind, weights)
+    probe = [tf.constant(np.random.RandomState(i + 1).randn(*w.shape))
+             for i, w in enumerate(weights)]
+
+    def step(ours):
+        found = {}
+
+        @tf.function(autograph=False, input_signature=[tf.TensorSpec([], tf.bool)])
+        def run(training):
+            h, kept = x, []
+            for block in blocks:
+                h = block(h, training)
+                kept.append(h)
+            loss = tf.reduce_sum(h * h)
+            grad = ((lambda y, xs, c: mg.gradients(y, xs, checkpoints=c, fallback="error"))
+                    if ours else (lambda y, xs, c: original_gradients(y, xs)))
+            first = grad(loss, weights, kept[:-1:2])
+            dot = tf.add_n([tf.reduce_sum(g * p) for g, p in zip(first, probe)])
+            found["exposed"] = _rewritten_ops(tf.compat.v1.get_default_graph())[0]
+            return first, grad(dot, weights, "memory")
+
+        tf.random.set_seed(0)  # the seeded dropout draws the same masks in each function
+        return run(tf.constant(True)), found["exposed"]
+
+    expected, _ = step(ours=False)  # traced first: TensorFlow rewrites the shared bodies
+    got, exposed = step(ours=True)
+    assert exposed, f"{kind}: nothing replayed in the later trace"
+    for g_list, e_list in zip(got, expected):
+        assert_grads_close(list(g_list), list(e_list), rtol=1e-10)
+
+
 # --------------------------------------------------------------------------------------------
 # What the memory model reads from the bodies
 # --------------------------------------------------------------------------------------------

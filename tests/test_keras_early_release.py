@@ -20,6 +20,7 @@ from memsave_grads.keras import wrap_model
 
 import children  # noqa: E402
 from keras_support import FLAVOURS, KERAS, clear_session, fresh_keras  # noqa: F401,E402
+from keras_support import one_flavour_by_default  # noqa: E402
 from keras_support import keras3 as keras, tf_keras  # noqa: E402
 
 MIB = measure.MIB
@@ -175,7 +176,7 @@ print(json.dumps(peaks))
 
 
 @pytest.mark.never_worse
-@FLAVOURS
+@one_flavour_by_default("keras3")
 def test_a_weight_dominated_step_peaks_lower(flavour):
     """Six 1024 x 1024 layers (4 MiB of gradient each, 24 MiB in all) at batch 2, SGD with
     momentum. Measured (TF 2.21, CPU, 2026-11-23; tf_keras 2026-11-25): stock 32.1 MiB (28.1
@@ -214,7 +215,7 @@ print(json.dumps(peaks))
 
 
 @pytest.mark.never_worse
-@FLAVOURS
+@one_flavour_by_default("keras2")  # tf_keras' sum over replicas: the IdentityN case
 def test_an_own_train_step_s_updates_wait_as_the_default_step_s(flavour):
     """The same step written as a model's own tape train_step: wrap_model orders the updates
     it builds from the routed gradient like the default step's (design note "early

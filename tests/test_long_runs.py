@@ -89,7 +89,8 @@ def _train(kind, gradients_fn):
     return np.array(losses), np.array(peaks), np.array(in_use)
 
 
-@pytest.mark.parametrize("checkpoints", ["memory", "speed"])
+# "speed" in the slow suite: the same loop, about 20 s more.
+@pytest.mark.parametrize("checkpoints", ["memory", pytest.param("speed", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_500_adam_steps_track_tf_gradients(kind, checkpoints):
     expected, _, _ = _train(kind, tf.gradients)

@@ -167,7 +167,8 @@ def _wide_peak_mib(build_train_op, opt_name="adam", runs=3):
                        for _ in range(runs))
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+@pytest.mark.parametrize("opt_name", [
+    "sgd", pytest.param("adam", marks=pytest.mark.slow)])  # ~10 s each
 def test_one_weight_gradient_alive_at_a_time(opt_name):
     ours = _wide_peak_mib(lambda loss, ws, opt: minimize(loss, opt, checkpoints="memory"),
                           opt_name)

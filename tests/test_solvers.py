@@ -302,8 +302,11 @@ def test_dp_is_anytime_on_graphs_of_thousands_of_ops():
     plan = solvers.solve_dp(dataclasses.replace(problem.with_budget(budget),
                                                 deadline_seconds=0.0))
     assert plan.predicted_peak_bytes <= budget and not plan.optimal
+    # Given a few seconds it answers from a finer round, or from the same one: never a worse
+    # plan (the full search takes about a minute here).
     with_time = solvers.solve_dp(dataclasses.replace(problem.with_budget(budget),
-                                                     deadline_seconds=60.0))
+                                                     deadline_seconds=5.0))
+    assert with_time.predicted_peak_bytes <= budget
     assert with_time.recompute_cost <= plan.recompute_cost
 
 

@@ -115,23 +115,13 @@ def is_function_op(op: tf.Operation) -> bool:
             or op.type in op_types.CASE_OP_TYPES or op.type in op_types.WHILE_OP_TYPES)
 
 
-def _library_function(graph, name: str):
-    """The function ``name`` as ``graph`` (or an enclosing graph) holds it, or None."""
-    while graph is not None:
-        function = graph._get_function(name)  # pylint: disable=protected-access
-        if function is not None:
-            return function
-        graph = getattr(graph, "outer_graph", None)
-    return None
-
-
 def _function_graph(op: tf.Operation, attr_value, input_shapes, cached: str | None):
     """The FuncGraph of one function attribute of ``op``: the graph cond_v2/while_v2 cached on
     the op, or the one ``tf.function`` traced, else one rebuilt from the function library."""
     if cached is not None and getattr(op, cached, None) is not None:
         return getattr(op, cached)
     name = attr_value.name
-    function = _library_function(op.graph, name)
+    function = tf_graph.library_function(op.graph, name)
     if function is None:
         return None
     traced = getattr(function, "graph", None)
@@ -568,7 +558,8 @@ def exposure_bytes(op: tf.Operation, bodies: Sequence[BodyExposure], xla: bool,
     return max(b.exposed_bytes(xla, as_buffers) for b in bodies)
 
 
-def exposure_plan(op: tf.Operation, xla: bool | None = None) -> list[BodyExposure] | None:
+def exposure_plan(op: tf.Operation, xla: bool | None = None,
+                  nested: bool = False) -> list[BodyExposure] | None:
     """How to replay a *stateful* cond or call exactly, one entry per body; None where it
     cannot be (module docstring), or where it needs no exposure (a stateless op: copied as it
     is). Under XLA (``xla``; default: whether XLA compiles ``op``'s graph), where cond_v2's
@@ -583,7 +574,7 @@ def exposure_plan(op: tf.Operation, xla: bool | None = None) -> list[BodyExposur
         return list(done.bodies)
     if tf_graph.is_replayable(op) or tf_graph.uses_v1_control_flow(op):
         return None
-    if _compiled_alone(op) or _gradient_built(op):
+    if _compiled_alone(op) or (_gradient_built(op) and not nested):
         return None
     graphs = body_graphs(op)
     if graphs is None:
@@ -609,7 +600,7 @@ def _compiled_alone(op: tf.Operation) -> bool:
     graph is gone (imported: its nested calls have no gradient functions to copy)."""
     if op.type not in op_types.FUNCTION_CALL_OP_TYPES:
         return False
-    function = _library_function(op.graph, op.get_attr("f").name)
+    function = tf_graph.library_function(op.graph, op.get_attr("f").name)
     definition = getattr(function, "cached_definition", None)
     attr = definition.attr.get("_XlaMustCompile") if definition is not None else None
     return bool(attr is not None and attr.b) or getattr(function, "graph", None) is None
@@ -642,7 +633,7 @@ def _body_exposure(body, outputs, xla: bool) -> BodyExposure | None:
         elif not used:
             dropped.add(op)
         elif is_function_op(op):
-            inner = exposure_plan(op, xla)  # a stateful call or cond: exposed in turn
+            inner = exposure_plan(op, xla, nested=True)  # a stateful call or cond: in turn
             if inner is None:
                 return None  # a stateful loop, or a body that cannot be replayed
             nested.append(NestedExposure(op, tuple(inner), in_optionals=(

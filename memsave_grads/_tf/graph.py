@@ -485,14 +485,20 @@ def _is_check(op: tf.Operation) -> bool:
     return bool(run) and all(t in op_types.CHECK_OP_TYPES or stateless(t) for t in run)
 
 
-def _function_nodes(graph, name: str) -> list:
-    """The ``NodeDef``s of the graph function ``name`` as ``graph`` sees it, or ``[]``."""
+def library_function(graph, name: str):
+    """The function ``name`` as ``graph`` (or an enclosing graph) holds it, or None."""
     while graph is not None:  # a FuncGraph looks outward for it
         function = graph._get_function(name)  # pylint: disable=protected-access
         if function is not None:
-            return list(function.cached_definition.node_def)
+            return function
         graph = getattr(graph, "outer_graph", None)
-    return []
+    return None
+
+
+def _function_nodes(graph, name: str) -> list:
+    """The ``NodeDef``s of the graph function ``name`` as ``graph`` sees it, or ``[]``."""
+    function = library_function(graph, name)
+    return [] if function is None else list(function.cached_definition.node_def)
 
 
 def _op_types_in_functions(graph, names: Sequence[str]) -> list[str]:

@@ -139,7 +139,7 @@ def copy_ops(ops: Sequence[tf.Operation], scope: str, control_inputs: Sequence[t
             for attr in _CACHED_FUNC_GRAPH_ATTRS:
                 if hasattr(new, attr):
                     delattr(new, attr)
-            _give_own_functions(new)
+            _give_own_functions(new, op)
             record_on_tapes(new)
             copies[op] = new
     # The waiting stand-ins belong to the copied region: a nested level copies these copies
@@ -371,8 +371,37 @@ def _input_shapes(op: tf.Operation) -> list:
     return [t.shape for t in op.inputs[1:]]  # If: the first input is the predicate
 
 
-def _give_own_functions(op: tf.Operation) -> None:
-    """Point a copied If/While op at fresh, uniquely named copies of its functions.
+def _fresh_func_graph(op: tf.Operation, name: str, cached):
+    """A new FuncGraph of function ``name`` of ``op``, built from its definition as ``op``'s
+    graph sees it. Where it cannot see it, the original op's ``cached`` graph defines it: a
+    cond in a shared function body that TensorFlow's gradient of another trace rewrote in
+    place (``<name>_rewritten``), registering the new branches in that gradient's graph, out
+    of this one's reach (design note "control flow and calls", later traces)."""
+    try:
+        return control_flow_util_v2.get_func_graph(op, _input_shapes(op), name)
+    except KeyError:
+        # What create_new_tf_function defines a function with (TensorFlow 2.21's module).
+        atomic = getattr(control_flow_util_v2, "atomic_function", None)
+        if cached is None or atomic is None:
+            raise
+    # Under a name of its own: the graph's library may hold another definition of ``name``
+    # (copied with a function that calls it, before TensorFlow gave it more outputs).
+    graph, stand_in = op.graph, f"{name}_memsave_cached{next(_function_counter)}"
+    definition = atomic.from_func_graph(stand_in, cached, {})
+    for child in getattr(definition, "children", ()):
+        # What the branch calls (``__forward_...`` functions, registered beside it): added
+        # where this graph cannot see it, for the copy's function too.
+        if tf_graph.library_function(graph, child.name) is None:
+            graph._add_function(child)  # pylint: disable=protected-access
+    graph._add_function(definition)  # pylint: disable=protected-access
+    try:
+        return control_flow_util_v2.get_func_graph(op, _input_shapes(op), stand_in)
+    finally:
+        graph._remove_function(stand_in)  # pylint: disable=protected-access
+
+
+def _give_own_functions(op: tf.Operation, original: tf.Operation) -> None:
+    """Point ``op``, a copied If/While op, at fresh, uniquely named copies of its functions.
 
     The gradient of cond_v2/while_v2 renames the forward functions ``<name>_rewritten`` and
     re-registers them with extra outputs; an original and its copy sharing a function would
@@ -380,7 +409,7 @@ def _give_own_functions(op: tf.Operation) -> None:
     """
     for attr, cache in _FUNCTION_ATTRS.get(op.type, ()):
         name = op.get_attr(attr).name
-        func_graph = control_flow_util_v2.get_func_graph(op, _input_shapes(op), name)
+        func_graph = _fresh_func_graph(op, name, getattr(original, cache, None))
         func_graph.name = f"{name}_memsave{next(_function_counter)}"
         op._set_func_attr(attr, control_flow_util_v2.create_new_tf_function(func_graph))  # pylint: disable=protected-access
         setattr(op, cache, func_graph)

@@ -209,9 +209,6 @@ def _measure_here(request: dict, learning_rate: float = 1e-4) -> dict:
     def run_step():
         return step(training).numpy()
 
-    # The step is traced first: TensorFlow's gradient of a call rewrites the calls inside its
-    # function's shared body in place, and a function calling another is replayed only where
-    # no trace has differentiated it before (design note "control flow and calls").
     run_step()  # warm-up: one-time allocations are not the step's
     out["peak_bytes"] = [measure_lib.peak_bytes_of(run_step)[0] for _ in range(PEAK_RUNS)]
     if method != METHODS[0][0]:
