@@ -85,6 +85,8 @@ class GradientsCall:
     """One outermost :func:`gradients` call made in a graph inside
     :func:`counting_gradients_calls`: what it differentiated and what it returned."""
 
+    #: The graph the call built its gradients in (a nested ``tf.function``'s, maybe).
+    graph: tf.Graph
     ys: list
     xs: list
     grads: list
@@ -260,7 +262,7 @@ def gradients(ys: Targets, xs: Sources, grad_ys: Targets | None = None,
     finally:
         calls.depth -= 1
     calls.made.append(GradientsCall(
-        ys=tf.nest.flatten(ys), xs=tf.nest.flatten(xs), grads=list(grads),
+        graph=graph, ys=tf.nest.flatten(ys), xs=tf.nest.flatten(xs), grads=list(grads),
         before_op_id=before_op_id, after_op_id=tf_graph.last_op_id(graph)))
     return grads
 

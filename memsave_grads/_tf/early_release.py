@@ -47,8 +47,9 @@ class VariableUpdate:
     #: ops of ``update_ops`` that no other variable's update shares and that do not need the
     #: gradient, with inputs: they are delayed until the gradient is computed.
     early_roots: list = dataclasses.field(default_factory=list)
-    #: the ops computing the gradient side where a gradient-free term joins it (``-g * lr`` in
-    #: ``-g * lr + m * momentum``): the early roots wait for them where they can.
+    #: where the update reads its gradient through an ``IdentityN`` over every gradient
+    #: (tf_keras' sum over replicas): the ops computed from the gradient where a term of
+    #: ``early_roots`` joins it (``-g * lr`` in ``-g * lr + m * momentum``); else empty.
     joined_terms: list = dataclasses.field(default_factory=list)
     #: ops of the forward and backward passes that read the variable's value before the update.
     readers: list = dataclasses.field(default_factory=list)
@@ -73,6 +74,19 @@ def gradient_producers(grad, floor: int) -> list[tf.Operation]:
                              lambda op: tf_graph.input_ops(op) if passes_on(op) else (),
                              include=newer)
     return sorted((op for op in followed if not passes_on(op)), key=tf_graph.creation_index)
+
+
+def _identity_n_readers(op: tf.Operation) -> list[tf.Operation]:
+    """The ``IdentityN`` ops that pass ``op``'s outputs on (followed through one another)."""
+    found, pending = [], list(op.outputs)
+    while pending:
+        tensor = pending.pop()
+        for consumer in tensor.consumers():
+            if consumer.type == "IdentityN" and consumer not in found:
+                found.append(consumer)
+                pending.extend(out for given, out in zip(consumer.inputs, consumer.outputs)
+                               if given is tensor)
+    return found
 
 
 def _consumers_by_position(op: tf.Operation) -> list[tf.Operation]:
@@ -130,12 +144,11 @@ def value_readers(handle: tf.Tensor, floor: int) -> list[tf.Operation]:
 def mark_early_roots(updates: Sequence[VariableUpdate]) -> None:
     """Fill ``early_roots``: per update, the first ops that need neither the gradient nor
     anything another update shares (``momentum * m`` reads a slot and a constant); and
-    ``joined_terms``, what those terms meet.
-
-    The roots wait for the gradient side of the ops where their terms join it, not only for
-    the ops producing the gradient: where the gradient reaches the update through an op that
-    waits for every gradient (tf_keras' sum over replicas, a global-norm clip), a term
-    computed when its own gradient exists is still held until the last one is."""
+    ``joined_terms`` where the update reads its gradient through an ``IdentityN`` over every
+    gradient (tf_keras' sum over one replica). There a term computed as soon as its own
+    gradient exists is held until the last gradient is, and one computed once the sum is
+    done is computed for every variable at once: the roots wait for their own variable's
+    gradient side where their terms join it, one update after another."""
     owners: dict = {}
     for update in updates:
         for op in update.update_ops:
@@ -148,11 +161,18 @@ def mark_early_roots(updates: Sequence[VariableUpdate]) -> None:
         update.early_roots = sorted(
             (op for op in candidates if not any(t.op in candidates for t in op.inputs)),
             key=tf_graph.creation_index)
-        gradient_side = fed.union(_grad_ops(update.grad))
+        grad_ops = _grad_ops(update.grad)
+        if not any(_identity_n_readers(op) for op in grad_ops):
+            continue  # the roots wait for the ops producing the gradient
+        # Computed from the gradient: ``fed`` also holds what the variable's handle feeds
+        # (AdamW's decay ``w * wd * lr``), which needs no gradient.
+        from_gradient = set(tf_graph.walk(
+            [c for op in grad_ops for c in _consumers_by_position(op)], _consumers_by_position,
+            include=lambda op: op in fed))
         gradient_free = set(update.update_ops) - fed
-        joins = [op for op in update.fed_ops if any(t.op in gradient_free for t in op.inputs)]
+        joins = [op for op in from_gradient if any(t.op in gradient_free for t in op.inputs)]
         update.joined_terms = sorted({t.op for op in joins for t in op.inputs
-                                      if t.op in gradient_side}, key=tf_graph.creation_index)
+                                      if t.op in from_gradient}, key=tf_graph.creation_index)
 
 
 def _sinks(ops: Sequence[tf.Operation]) -> list[tf.Operation]:
@@ -314,14 +334,17 @@ def order_updates(updates: Sequence[VariableUpdate], grad_floor: int,
 
 def order_updates_early(loss, var_list: Sequence, handles: Sequence, grads: Sequence,
                         grad_floor: int, apply_floor: int, optimizer_name: str,
-                        caller: str, release_order: bool = True) -> None:
+                        caller: str, release_order: bool = True,
+                        all_applied: bool = True) -> None:
     """Add the early-release edges to one training step (design note "early release"):
     ``grads`` of ``loss`` (a tensor, or the list of a call's targets) were built after op
     ``grad_floor``, the optimizer's update ops after
     ``apply_floor``, in the current graph. Shared by ``memsave_grads.minimize`` and Keras'
     ``wrap_model``: with ``release_gradients_early=True`` all of them, otherwise
     (``release_order=False``) only the edges that keep each update's gradient-free terms and
-    writes from running early (:func:`order_updates`)."""
+    writes from running early (:func:`order_updates`). ``all_applied``: every gradient is
+    expected to be applied (a step of our own); a gradient without update is then warned
+    about, where a model's own ``train_step`` may well leave one out."""
     step_ops = _step_ancestors(loss)
     updates = []
     for v, h, g in zip(var_list, handles, grads):
@@ -336,9 +359,10 @@ def order_updates_early(loss, var_list: Sequence, handles: Sequence, grads: Sequ
                      if tf_graph.creation_index(r) > grad_floor or r in step_ops]))
     unordered = [u.name for u in updates if not u.fed_ops]
     if unordered:
-        _LOG.warning("%s: apply_gradients of %s built no op reading the gradient or the "
-                     "variable of %s; those updates are left to dataflow.", caller,
-                     optimizer_name, unordered[:3])
+        _LOG.log(logging.WARNING if all_applied else logging.DEBUG,
+                 "%s: apply_gradients of %s built no op reading the gradient or the "
+                 "variable of %s; those updates are left to dataflow.", caller,
+                 optimizer_name, unordered[:3])
         updates = [u for u in updates if u.fed_ops]
     # Why control dependencies at all: dataflow alone already runs an update as soon as its
     # gradient exists, but nothing stops the backward pass from running ahead of the updates,

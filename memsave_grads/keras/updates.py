@@ -97,11 +97,15 @@ def order_own_step_updates(model, flavour: Flavour, made: Sequence) -> None:
     value, and its update's gradient-free terms (tf_keras' SGD computes ``m * momentum`` even
     at momentum 0) for its gradient. Left to dataflow where the default step leaves them
     (strategies, loss scaling, global clipping, XLA) and where the step took several
-    gradients (a GAN's two tapes): which updates belong to which is not known."""
+    gradients (a GAN's two tapes): which updates belong to which is not known; and where
+    the gradient was taken in another graph than the step's updates (inside a nested
+    ``tf.function`` returning it): the edges cannot cross graphs."""
     if len(made) != 1 or not updates_wait_for_gradients(model, flavour, False):
         return
     call = made[0]
     graph = tf.compat.v1.get_default_graph()
+    if call.graph is not graph:
+        return
     handles, grads = [], []
     for x, grad in zip(call.xs, call.grads):
         # A variable's handle (a routed tape's sources are handles; memsave_grads.gradients
@@ -116,4 +120,5 @@ def order_own_step_updates(model, flavour: Flavour, made: Sequence) -> None:
         return
     early_release.order_updates_early(
         call.ys, handles, handles, grads, call.before_op_id, call.after_op_id,
-        type(model.optimizer).__name__, "memsave_grads.keras", release_order=False)
+        type(model.optimizer).__name__, "memsave_grads.keras", release_order=False,
+        all_applied=False)
