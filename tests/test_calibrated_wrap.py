@@ -141,7 +141,7 @@ def _data(rows, width=64, seed=0):
             np.zeros((rows, 10), "float32"))
 
 
-@FLAVOURS
+@one_flavour_by_default("keras3")
 def test_fit_calibrates_once_per_batch_size_traced_as_fit_traces_it(flavour, calibrations):
     keras = KERAS[flavour]
     model = bn_dropout_mlp(keras, depth=6, width=64)
@@ -174,7 +174,7 @@ def test_a_dataset_s_first_batch_is_calibrated_on(flavour, calibrations):
     assert calibrations == [(32, True, True)]
 
 
-@FLAVOURS
+@one_flavour_by_default("keras2")
 def test_train_on_batch_calibrates_on_its_batch_and_traces_per_size(flavour, calibrations):
     keras = KERAS[flavour]
     model = bn_dropout_mlp(keras, depth=4, width=64)
@@ -366,6 +366,7 @@ def test_calibrating_restores_state_the_model_does_not_list(kind):
                                    err_msg=a.name)
 
 
+@pytest.mark.slow  # ~18 s: calibrating measures a compiled step
 def test_a_step_compiled_by_xla_trains_with_one_warning(caplog):
     keras = KERAS["keras3"]
     model = mg.wrap_model(_mlp_without_dropout(keras, jit_compile=True), "budget:60%:calibrated")

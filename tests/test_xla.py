@@ -39,7 +39,8 @@ def _measured(spec, method):
 PLAIN, MEMORY = bench_xla.METHODS[:2]
 
 
-@pytest.mark.parametrize("residual", [False, True], ids=["tanh_chain", "residual_chain"])
+@pytest.mark.parametrize("residual", [  # ~18 s each
+    False, pytest.param(True, marks=pytest.mark.slow)], ids=["tanh_chain", "residual_chain"])
 def test_chain_saves_under_xla(residual):
     """64 layers ``tanh(h @ W)`` (or ``h + tanh(h @ W)``) of 1 MiB activations, and
     tf.gradients' values. Measured: 128 -> 32 MiB (tanh) and 256 -> 32 MiB (residual), what
@@ -649,6 +650,7 @@ def test_recomputed_experts_transpose_their_own_weights_under_xla():
     assert ours["peak"] <= before["peak"] - 2 * MIB, (ours["peak"] / MIB, before["peak"] / MIB)
 
 
+@pytest.mark.slow  # ~20 s; nested Transformer plans under XLA stay in the default suite
 def test_waiting_expert_weights_are_exact_in_nested_plans_to_second_order():
     """The stand-ins of the experts' weights (``op_types.einsum_operand_reordered``) belong to
     the copied region like every stand-in: with a nested plan under XLA, first and second
@@ -783,7 +785,9 @@ print(json.dumps({"peak": measure.peak_bytes_of(step)[0], "error": error}))
 """
 
 
-@pytest.mark.parametrize("form", ["cond", "call", "call_of_call", "cond_in_call"])
+@pytest.mark.parametrize("form", [  # 10-14 s each: a cond and a call of a call by default
+    "cond", pytest.param("call", marks=pytest.mark.slow), "call_of_call",
+    pytest.param("cond_in_call", marks=pytest.mark.slow)])
 def test_a_stateful_cond_or_call_per_block_saves_under_xla(form):
     """Sixteen blocks, each a ``tf.cond`` whose branches read the block's weights, or a nested
     ``tf.function`` that reads them (stateful ops, as a Keras layer called in a branch or a
