@@ -76,19 +76,6 @@ def gradient_producers(grad, floor: int) -> list[tf.Operation]:
     return sorted((op for op in followed if not passes_on(op)), key=tf_graph.creation_index)
 
 
-def _identity_n_readers(op: tf.Operation) -> list[tf.Operation]:
-    """The ``IdentityN`` ops that pass ``op``'s outputs on (followed through one another)."""
-    found, pending = [], list(op.outputs)
-    while pending:
-        tensor = pending.pop()
-        for consumer in tensor.consumers():
-            if consumer.type == "IdentityN" and consumer not in found:
-                found.append(consumer)
-                pending.extend(out for given, out in zip(consumer.inputs, consumer.outputs)
-                               if given is tensor)
-    return found
-
-
 def _consumers_by_position(op: tf.Operation) -> list[tf.Operation]:
     """The ops reading ``op``'s outputs, an ``IdentityN`` among them followed through the
     output at the position it reads them (tf_keras' sum over one replica passes every
@@ -162,7 +149,8 @@ def mark_early_roots(updates: Sequence[VariableUpdate]) -> None:
             (op for op in candidates if not any(t.op in candidates for t in op.inputs)),
             key=tf_graph.creation_index)
         grad_ops = _grad_ops(update.grad)
-        if not any(_identity_n_readers(op) for op in grad_ops):
+        if not any(c.type == "IdentityN" for op in grad_ops for t in op.outputs
+                   for c in t.consumers()):
             continue  # the roots wait for the ops producing the gradient
         # Computed from the gradient: ``fed`` also holds what the variable's handle feeds
         # (AdamW's decay ``w * wd * lr``), which needs no gradient.
