@@ -294,6 +294,108 @@ def test_dp_pruning_labels_early_changes_nothing(fraction, monkeypatch):
     assert found[1] == found[2] == found[10**9]
 
 
+def _segment_by_definition(tables, a_index, b_index, mode):
+    """A segment's (new kept bytes, recompute cost, local peak), summed node by node as
+    ``dp_cuts``' docstring defines them: what ``_Tables`` computes with prefix sums."""
+    a = tables.positions[a_index] if a_index >= 0 else -1
+    b = tables.positions[b_index]
+    keeps = tables.inner[mode][0]
+    inside = range(a + 1, b + 1)
+    new = {v for v in tables.fronts[b_index] if v > a} | {v for v in inside if keeps[v]}
+    new_bytes = sum(tables.size[v] for v in new)
+    cost = sum(tables.cost[v] for v in inside if v not in new)
+    local = (sum(tables.retained[v] for v in inside if v not in new)
+             + sum(tables.size[v] for v in inside if keeps[v] and v not in tables.fronts[b_index])
+             + tables.front_bytes[b_index] + tables.transient)
+    return new_bytes, cost, local
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_segment_tables_sum_what_a_segment_holds(seed):
+    """The DP's segment tables (prefix sums over sorted frontiers, every segment at once)
+    give each segment's kept bytes, cost and local peak as summed node by node."""
+    problem = _layered_problem(depth=8, width=3, seed=seed) if seed % 2 else random_problem(
+        seed, 12, 30)
+    search = planners.CutSearch(problem.graph, problem.must_keep, problem.candidates)
+    positions = search.positions()
+    tables = solvers.dp._Tables(problem, search, positions, (None, 20.0))
+    for mode in (0, 1):
+        for a_index in range(-1, len(positions)):
+            rows = tables.segment_rows(a_index, mode, len(positions))
+            for b_index in range(a_index + 1, len(positions)):
+                expected = _segment_by_definition(tables, a_index, b_index, mode)
+                found = tables.segment(a_index, b_index, mode)
+                assert found[0] == expected[0] and found[2] == expected[2]
+                assert found[1] == pytest.approx(expected[1], rel=1e-12, abs=1e-9)
+                column = b_index - a_index - 1
+                assert (rows[0][column], rows[1][column], rows[2][column]) == found
+
+
+def _bucketed_label_loop(tables, budget_bytes, quantum):
+    """The bucketed DP as a plain loop over labels: at each position, per bucket of
+    ``quantum`` kept bytes, the cheapest label (the first of equal ones), extended in order
+    of segment start, segment end, way of recomputing and label; returns (cost, cuts)."""
+    count, modes = len(tables.positions), len(tables.inner)
+    pending = [{} for _ in range(count)]
+    best = None
+    front = [(0, 0.0, None)]
+    for a_index in range(-1, count):
+        if a_index >= 0:
+            ordered = sorted(pending[a_index].values(), key=lambda label: label[:2])
+            front, cheapest = [], math.inf
+            for label in ordered:
+                if label[1] < cheapest:
+                    front.append(label)
+                    cheapest = label[1]
+        for label in front:
+            if label[0] + tables.must_bytes + tables.top(a_index) <= budget_bytes:
+                if best is None or label[1] < best[0]:
+                    best = (label[1], a_index, label)
+        for b_index in range(a_index + 1, count):
+            for mode in range(modes):
+                new_bytes, seg_cost, local = tables.segment(a_index, b_index, mode)
+                for label in front:
+                    if label[0] + tables.must_bytes + local > budget_bytes:
+                        continue
+                    grown = (label[0] + new_bytes, label[1] + seg_cost, (a_index, label))
+                    held = pending[b_index].get(grown[0] // quantum)
+                    if held is None or grown[1] < held[1]:
+                        pending[b_index][grown[0] // quantum] = grown
+    if best is None:
+        return None
+    cuts, index, label = [], best[1], best[2]
+    while index >= 0:
+        cuts.append(tables.positions[index])
+        index, label = label[2]
+    return best[0], tuple(reversed(cuts))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_bucketed_dp_finds_what_a_label_loop_finds(seed):
+    """The greedy solver's seeds (``dp_cuts`` with a quantum: dense arrays over positions
+    and buckets, a position's labels extended to every segment end at once) find the cuts
+    that a plain loop over labels with the same rules finds, at several budgets, quanta and
+    ways of recomputing, ties included."""
+    problem = _layered_problem(depth=8 + seed, width=2 + seed % 2, seed=seed)
+    plain = memory_model.plain_peak_bytes(problem.graph)
+    search = planners.CutSearch(problem.graph, problem.must_keep, problem.candidates)
+    positions = search.positions()
+    answered = 0
+    for fraction, labels, modes in itertools.product((0.5, 0.6, 0.75, 0.9), (8, 64),
+                                                     ((None,), (None, 20.0))):
+        budget_bytes = int(fraction * plain)
+        quantum = max(budget_bytes // labels, 1)
+        tables = solvers.dp._Tables(problem, search, positions, modes)
+        expected = _bucketed_label_loop(tables, budget_bytes, quantum)
+        found = solvers.dp.dp_cuts(problem, search, positions, budget_bytes, modes, quantum)
+        if expected is None:
+            assert found is None
+            continue
+        answered += 1
+        assert found is not None and found[0] == expected[1], (fraction, labels, modes)
+    assert answered >= 8
+
+
 def test_dp_is_anytime_on_graphs_of_thousands_of_ops():
     """With its deadline already past, ``"dp"`` still answers: the plan of its first, coarsest
     round, within the budget and not claimed optimal (it did not run on every position)."""

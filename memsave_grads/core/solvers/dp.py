@@ -8,6 +8,8 @@ import math
 import time
 from typing import Sequence
 
+import numpy as np
+
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
 from memsave_grads.core import plan as plan_lib
@@ -74,7 +76,11 @@ class _Tables:
             self.inner.append((keeps, _prefix(size[v] if keeps[v] else 0 for v in range(n)),
                                _prefix(cost[v] if keeps[v] else 0.0 for v in range(n)),
                                _prefix(retained[v] if keeps[v] else 0 for v in range(n))))
-        self._segments: dict = {}
+        self._segments: dict = {}  # by way of recomputing: see _table
+        self._segment_lists: dict = {}
+        #: The retained bytes up to each position (the bound that ends a segment's growth).
+        self.retained_at = np.asarray([self.retained_sum[p + 1] for p in positions],
+                                      dtype=np.int64)
         #: dp_cuts' answers by (budget, quantum): the greedy solver's seeds ask the same
         #: question again where two quantiles give the same cost-per-byte threshold.
         self.answers: dict = {}
@@ -91,26 +97,70 @@ class _Tables:
     def segment(self, a_index: int, b_index: int, mode: int) -> tuple[int, float, int]:
         """(new kept bytes, recompute cost, local peak) of the segment between two positions
         (see :func:`dp_cuts`); the same for every budget, so computed once."""
-        key = (a_index, b_index, mode)
-        if key in self._segments:
-            return self._segments[key]
-        size, cost, retained = self.size, self.cost, self.retained
-        a = self.positions[a_index] if a_index >= 0 else -1
-        b = self.positions[b_index]
-        new = [v for v in self.fronts[b_index] if v > a]
-        new_bytes = sum(size[v] for v in new)
-        seg_cost = self.cost_sum[b + 1] - self.cost_sum[a + 1] - sum(cost[v] for v in new)
-        local = (self.retained_sum[b + 1] - self.retained_sum[a + 1]
-                 - sum(retained[v] for v in new) + self.front_bytes[b_index] + self.transient)
-        keeps, bytes_sum, kept_cost_sum, kept_retained_sum = self.inner[mode]
-        if mode:
-            extra = bytes_sum[b + 1] - bytes_sum[a + 1] - sum(size[v] for v in new if keeps[v])
-            new_bytes += extra
-            seg_cost -= kept_cost_sum[b + 1] - kept_cost_sum[a + 1] - sum(
-                cost[v] for v in new if keeps[v])
-            local += extra - (kept_retained_sum[b + 1] - kept_retained_sum[a + 1] - sum(
-                retained[v] for v in new if keeps[v]))
-        self._segments[key] = result = (new_bytes, seg_cost, local)
+        if mode not in self._segment_lists:  # the exact DP reads one at a time: Python numbers
+            self._segment_lists[mode] = tuple(table.tolist() for table in self._table(mode))
+        new_bytes, seg_cost, local = self._segment_lists[mode]
+        return (new_bytes[a_index + 1][b_index], seg_cost[a_index + 1][b_index],
+                local[a_index + 1][b_index])
+
+    def segment_rows(self, a_index: int, mode: int, b_end: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`segment` of every segment from ``a_index`` to the positions before
+        ``b_end``, as arrays indexed by ``b_index - a_index - 1``."""
+        return tuple(table[a_index + 1, a_index + 1:b_end] for table in self._table(mode))
+
+    def _table(self, mode: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every segment's (new kept bytes, recompute cost, local peak) for one way of
+        recomputing, as arrays by (``a_index + 1``, ``b_index``); entries with
+        ``b_index <= a_index`` mean nothing.
+
+        A segment (a, b]'s new kept bytes are b's frontier nodes after a (plus, keeping
+        nodes, the kept nodes of (a, b] not in it); it recomputes (a, b] but them; its local
+        peak is what (a, b] retains but them, b's frontier and the transient. The sums over
+        "frontier nodes after a" come from each frontier's nodes sorted, with prefix sums."""
+        if mode in self._segments:
+            return self._segments[mode]
+        size = np.asarray(self.size, dtype=np.int64)
+        cost = np.asarray(self.cost, dtype=np.float64)
+        retained = np.asarray(self.retained, dtype=np.int64)
+        keeps = np.asarray(self.inner[mode][0], dtype=bool)
+        count = len(self.positions)
+        # starts[a_index + 1] = a + 1, ends[b_index] = b + 1: the prefix sums' bounds.
+        starts = np.asarray([0] + [p + 1 for p in self.positions], dtype=np.int64)
+        ends = starts[1:]
+        # Every frontier's nodes in one array, by frontier then node; the first node after a
+        # in frontier b is at the search for (b, a) in (frontier, node) order.
+        lengths = np.asarray([len(f) for f in self.fronts], dtype=np.int64)
+        nodes = np.asarray([v for f in self.fronts for v in f], dtype=np.int64)
+        owner = np.repeat(np.arange(count, dtype=np.int64), lengths)
+        stride = self.n + 1
+        first_after = np.searchsorted(
+            owner * stride + nodes,
+            np.arange(count, dtype=np.int64)[None, :] * stride + starts[:, None], side="left")
+        front_end = np.cumsum(lengths)
+
+        def after(values: np.ndarray) -> np.ndarray:
+            """Sum of ``values`` over each frontier's nodes after each a."""
+            running = np.concatenate(([0], np.cumsum(values[nodes])))
+            return running[front_end][None, :] - running[first_after]
+
+        def within(prefix) -> np.ndarray:
+            """Sum over each segment's nodes, from a prefix sum over nodes."""
+            prefix = np.asarray(prefix)
+            return prefix[ends][None, :] - prefix[starts][:, None]
+
+        new_bytes = after(size)
+        seg_cost = within(self.cost_sum) - after(cost)
+        local = (within(self.retained_sum) - after(retained)
+                 + np.asarray(self.front_bytes, dtype=np.int64)[None, :] + self.transient)
+        if keeps.any():
+            _, bytes_sum, kept_cost_sum, kept_retained_sum = self.inner[mode]
+            extra = within(bytes_sum) - after(np.where(keeps, size, 0))
+            new_bytes = new_bytes + extra
+            seg_cost = seg_cost - (within(kept_cost_sum) - after(np.where(keeps, cost, 0.0)))
+            local = local + extra - (within(kept_retained_sum)
+                                     - after(np.where(keeps, retained, 0)))
+        self._segments[mode] = result = (new_bytes, seg_cost, local)
         return result
 
     def top(self, a_index: int) -> int:
@@ -177,12 +227,14 @@ def _extend(tables: _Tables, a_index: int, at_a: list, pending: list, compact_at
                     buckets[key] = (label_bytes, label_cost, (a_index, label, mode))
 
 
-def _trace_back(tables: _Tables, index: int, label) -> tuple[tuple, set]:
-    """The cuts and the nodes kept inside segments of the label's path."""
+def _trace_back(tables: _Tables, index: int, label, parent=lambda index, label: label[2]
+                ) -> tuple[tuple, set]:
+    """The cuts and the nodes kept inside segments of the label's path; ``parent(index,
+    label)`` is the (position index, label, way of recomputing) it extends."""
     cuts, kept_inside = [], set()
     while index >= 0:
         b = tables.positions[index]
-        index, label, mode = label[2]
+        index, label, mode = parent(index, label)
         a = tables.positions[index] if index >= 0 else -1
         cuts.append(b)
         keeps = tables.inner[mode][0]
@@ -217,6 +269,8 @@ def dp_cuts(problem: problem_lib.BudgetProblem, search: planners.CutSearch, posi
 def _solved(tables: _Tables, budget_bytes: int, quantum: int,
             deadline: float | None) -> tuple[tuple, frozenset] | None:
     """:func:`dp_cuts` on its tables (computed once per budget and quantum)."""
+    if quantum:
+        return _solved_in_buckets(tables, budget_bytes, quantum, deadline)
     positions = tables.positions
     keep_ratios = tables.inner
     # labels[i]: Pareto front of (kept bytes so far, cost so far, parent) at position i; each
@@ -244,6 +298,122 @@ def _solved(tables: _Tables, budget_bytes: int, quantum: int,
     if best is None:
         return None
     cuts, kept_inside = _trace_back(tables, *best)
+    return cuts, frozenset(kept_inside)
+
+
+class _Buckets:
+    """The bucketed DP's labels (design note "planning cost"): at each position, one label per
+    bucket of ``quantum`` kept bytes, the cheapest, as dense arrays over (position, bucket),
+    so that a position's labels extend every segment starting there in a few array
+    operations rather than a Python loop over labels and segments.
+
+    The same labels, and so the same plans, as the loop it replaces (which kept a dict by
+    bucket per position): a label replaces a bucket's only when strictly cheaper, so of
+    equal costs the first inserted stays; insertions came by segment start, then segment
+    end, way of recomputing and label (cheapest bytes first), and a bucket is only ever
+    written from one segment end, so within one start and way of recomputing the first of
+    the cheapest labels per bucket wins, then the bucket's holder unless strictly beaten.
+    """
+
+    def __init__(self, count: int, budget_bytes: int, quantum: int, modes: int):
+        buckets = budget_bytes // quantum + 1  # a label that fits holds at most the budget
+        self.quantum, self.buckets = quantum, buckets
+        self.cost = np.full(count * buckets, np.inf)
+        self.bytes = np.zeros(count * buckets, dtype=np.int64)
+        # The label each one extends, as one number (:meth:`parent`): its position index, its
+        # index in that position's front (< buckets), the way of recomputing the segment.
+        self.modes = modes
+        self.extends = np.zeros(count * buckets, dtype=np.int64)
+        #: Per position: its Pareto front's cells (position * buckets + bucket), bytes and
+        #: costs, cheapest bytes first.
+        self.fronts: dict = {-1: (np.full(1, -1, dtype=np.int64), np.zeros(1, dtype=np.int64),
+                                  np.zeros(1))}
+
+    def close(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Position ``index``'s labels are final: its front, the labels no other beats in both
+        bytes and cost (by bucket, so by bytes: keep each cheaper than every lighter one)."""
+        cells = index * self.buckets + np.flatnonzero(
+            np.isfinite(self.cost[index * self.buckets:(index + 1) * self.buckets]))
+        cost = self.cost[cells]
+        if len(cost):
+            lighter_best = np.concatenate(([np.inf], np.minimum.accumulate(cost)[:-1]))
+            cells = cells[cost < lighter_best]
+        self.fronts[index] = front = (cells, self.bytes[cells], self.cost[cells])
+        return front
+
+    def extend(self, tables: _Tables, a_index: int, budget_bytes: int) -> None:
+        """Extend position ``a_index``'s front by every segment starting there that fits."""
+        _, front_bytes, front_cost = self.fronts[a_index]
+        if not len(front_bytes):
+            return
+        a = tables.positions[a_index] if a_index >= 0 else -1
+        # local >= the retained bytes of (a, b] + transient, which only grow with b.
+        bound = (budget_bytes - int(front_bytes[0]) - tables.must_bytes - tables.transient
+                 + tables.retained_sum[a + 1])
+        b_end = max(int(np.searchsorted(tables.retained_at, bound, side="right")), a_index + 1)
+        if b_end <= a_index + 1:
+            return
+        labels_count = len(front_bytes)
+        first_cell = np.arange(a_index + 1, b_end, dtype=np.int64)[:, None] * self.buckets
+        for mode in range(self.modes):
+            new_bytes, seg_cost, local = tables.segment_rows(a_index, mode, b_end)
+            # Every (segment, label) at once, by segment end then label (so by bytes); a
+            # label that the segment does not fit with costs infinity and so never wins.
+            fits = front_bytes <= (budget_bytes - tables.must_bytes - local)[:, None]
+            label_cost = np.where(fits, front_cost + seg_cost[:, None], np.inf).ravel()
+            label_bytes = front_bytes + new_bytes[:, None]
+            # (A label that fits holds at most the budget: the clip only moves ones that
+            # do not into the segment's last bucket, where they cannot win.)
+            cell = (first_cell + np.minimum(label_bytes // self.quantum, self.buckets - 1)
+                    ).ravel()
+            label_bytes = label_bytes.ravel()
+            # Cells only grow along the candidates: one cell's candidates are a run; each
+            # run's winner is its first cheapest.
+            total = len(cell)
+            run_start = np.empty(total, dtype=bool)
+            run_start[0] = True
+            np.not_equal(cell[1:], cell[:-1], out=run_start[1:])
+            starts = run_start.nonzero()[0]
+            run_min = np.minimum.reduceat(label_cost, starts)
+            cheapest = label_cost == run_min[run_start.cumsum() - 1]
+            first = np.minimum.reduceat(np.where(cheapest, np.arange(total), total), starts)
+            won = first[label_cost[first] < self.cost[cell[first]]]
+            target = cell[won]
+            self.cost[target] = label_cost[won]
+            self.bytes[target] = label_bytes[won]
+            self.extends[target] = (((a_index + 1) * self.buckets + won % labels_count)
+                                    * self.modes + mode)
+
+    def parent(self, index: int, label: int) -> tuple[int, int, int]:
+        """The (position index, label, way of recomputing) that label ``label`` of position
+        ``index``'s front extends."""
+        code = int(self.extends[self.fronts[index][0][label]])
+        code, mode = divmod(code, self.modes)
+        position, label = divmod(code, self.buckets)
+        return position - 1, label, mode
+
+
+def _solved_in_buckets(tables: _Tables, budget_bytes: int, quantum: int,
+                       deadline: float | None) -> tuple[tuple, frozenset] | None:
+    """:func:`_solved` with a quantum: one label per position and bucket (:class:`_Buckets`)."""
+    positions = tables.positions
+    labels = _Buckets(len(positions), budget_bytes, quantum, len(tables.inner))
+    best = None  # (cost, position index, label)
+    for a_index in range(-1, len(positions)):
+        if deadline is not None and time.perf_counter() > deadline:
+            raise DeadlinePassed()
+        _, front_bytes, front_cost = (labels.fronts[-1] if a_index < 0
+                                      else labels.close(a_index))
+        labels.extend(tables, a_index, budget_bytes)
+        fits = np.flatnonzero(front_bytes + tables.must_bytes + tables.top(a_index)
+                              <= budget_bytes)
+        if len(fits):
+            cheapest = int(fits[np.argmin(front_cost[fits])])
+            if best is None or front_cost[cheapest] < best[0]:
+                best = (float(front_cost[cheapest]), a_index, cheapest)
+    if best is None:
+        return None
+    cuts, kept_inside = _trace_back(tables, best[1], best[2], labels.parent)
     return cuts, frozenset(kept_inside)
 
 
