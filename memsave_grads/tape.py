@@ -150,11 +150,14 @@ class route_tapes(contextlib.ContextDecorator):  # pylint: disable=invalid-name
 _T = TypeVar("_T")
 
 
-def run_with_routed_tapes(step: Callable[[], _T], checkpoints, fallback: str, caller: str) -> _T:
-    """``step()`` with every tape's gradient routed, planned for an optimizer that applies the
-    gradients together, as Keras' do: how ``wrap_model`` runs a model's own ``train_step``."""
+def run_with_routed_tapes(step: Callable[[], _T], checkpoints, fallback: str, caller: str,
+                          gradients_held: bool = True) -> _T:
+    """``step()`` with every tape's gradient routed: how ``wrap_model`` runs a model's own
+    ``train_step``. ``gradients_held``: planned for an optimizer that applies the gradients
+    together, as Keras' do unless their updates are made to wait for each gradient (design
+    note "early release")."""
     routing = start_routing(_checked_routing(checkpoints, fallback, caller,
-                                             gradients_held=True))
+                                             gradients_held=gradients_held))
     try:
         return step()
     finally:

@@ -136,11 +136,17 @@ def run_wrapped_step(model, flavour: Flavour, data, options: StepOptions):
         return own_step()
     checkpoints = _validate.check_checkpoints(options.checkpoints)
     planned = planned_batch_size(model, data, checkpoints, options.batch_size)
+    # Where order_own_step_updates will make each update wait for its gradient (as the
+    # default step's do), the gradients are planned as used up one by one, as there; where
+    # it finds the step took several gradients it orders nothing and they are held after
+    # all (the predicted peaks of plan and plain both miss them alike).
+    held = not updates.updates_wait_for_gradients(model, flavour, False)
     with tf_graph.assumed_batch_size(planned), cells.maybe_recomputed_cells(
             model, flavour, options.recompute_cells), api.loops_recomputed_inside(
                 options.recompute_cells), api.counting_gradients_calls() as counted:
         result = tape.run_with_routed_tapes(own_step, checkpoints, options.fallback,
-                                            caller=f"memsave_grads.keras ({flavour.name})")
+                                            caller=f"memsave_grads.keras ({flavour.name})",
+                                            gradients_held=held)
     # Run eagerly, routed tapes are TensorFlow's (each kind noticed there): no count to read.
     if not counted.calls and not tf.executing_eagerly():
         _no_gradient_computed(model, options.fallback)
