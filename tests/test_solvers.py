@@ -396,6 +396,17 @@ def test_the_bucketed_dp_finds_what_a_label_loop_finds(seed):
     assert answered >= 8
 
 
+@pytest.mark.parametrize("quantum", [0, 1000])
+def test_a_dp_below_zero_bytes_finds_nothing(quantum):
+    """A seed's retries lower the DP's budget by the replay's overshoot, past zero where the
+    replay disagrees by more than the budget (a Keras step of a generator's batch did): no
+    plan, as for any budget nothing fits, not an error."""
+    problem = _layered_problem(depth=4, width=2)
+    search = planners.CutSearch(problem.graph, problem.must_keep, problem.candidates)
+    assert solvers.dp.dp_cuts(problem, search, search.positions(), -5000, (None, 20.0),
+                              quantum) is None
+
+
 def test_dp_is_anytime_on_graphs_of_thousands_of_ops():
     """With its deadline already past, ``"dp"`` still answers: the plan of its first, coarsest
     round, within the budget and not claimed optimal (it did not run on every position)."""

@@ -395,7 +395,10 @@ class _Buckets:
 
 def _solved_in_buckets(tables: _Tables, budget_bytes: int, quantum: int,
                        deadline: float | None) -> tuple[tuple, frozenset] | None:
-    """:func:`_solved` with a quantum: one label per position and bucket (:class:`_Buckets`)."""
+    """:func:`_solved` with a quantum: one label per position and bucket (:class:`_Buckets`,
+    ``budget_bytes // quantum + 1`` of them a position)."""
+    if budget_bytes < 0:  # a seed's retries lower the budget by the replay's overshoot
+        return None
     positions = tables.positions
     labels = _Buckets(len(positions), budget_bytes, quantum, len(tables.inner))
     best = None  # (cost, position index, label)
