@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from memsave_grads import _validate
 from memsave_grads import errors
+from memsave_grads._tf import early_release
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import loops
 from memsave_grads._tf import ordering
@@ -338,8 +339,9 @@ def run_plan(prepared: "Prepared", plan: plan_lib.Plan) -> list:
     """Run ``plan`` (node numbers of ``prepared.selection.model``) through the rewrite: the
     gradients, one per given x. ``gradients()`` runs the selected plan; tests force others."""
     model = prepared.selection.model
-    loops.recompute_bodies(prepared.selection.recomputed_loops)
     arguments = prepared.arguments
+    floor = tf_graph.last_op_id(arguments.graph)  # ops newer than this are the rewrite's
+    loops.recompute_bodies(prepared.selection.recomputed_loops)
     options = stitch.CallOptions(
         user_stops=arguments.user_stops, tf_kwargs=arguments.tf_kwargs,
         unconnected_zero=arguments.unconnected == tf.UnconnectedGradients.ZERO,
@@ -350,6 +352,12 @@ def run_plan(prepared: "Prepared", plan: plan_lib.Plan) -> list:
         grads = stitch.backprop(arguments.ys, prepared.xs, arguments.grad_ys, model,
                                 dict(enumerate(prepared.region)),
                                 schedule_lib.of_plan(model, plan), options)
+        # A variable's gradient is computed after the backward ops reading its value from the
+        # same incoming gradient, so that the update it feeds does not copy the weight
+        # (design note "writes after reads").
+        for x, g in zip(prepared.xs, grads):
+            if g is not None and x.dtype == tf.resource:
+                early_release.producers_after_sibling_reads(g, x, floor)
         return prepared.per_given_x(grads)
 
 

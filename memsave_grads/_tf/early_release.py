@@ -128,6 +128,40 @@ def value_readers(handle: tf.Tensor, floor: int) -> list[tf.Operation]:
     return sorted(readers, key=tf_graph.creation_index)
 
 
+def producers_after_sibling_reads(grad, handle: tf.Tensor, floor: int) -> int:
+    """Make the ops computing ``grad`` (the gradient of the variable behind ``handle``; its
+    producers, :func:`gradient_producers`) wait for their *siblings* that read the variable's
+    value: ops newer than ``floor`` that hold the value read at or before it and read the same
+    incoming gradient as a producer (``g @ W^T`` beside ``h^T @ g``). Once the gradient exists,
+    nothing of the step holds the weight's buffer any more, so an update that consumes it does
+    not copy the weight (copy-on-write; design note "writes after reads"). Returns the number
+    of edges added.
+
+    Only siblings made before their producer (tf.gradients makes ``g @ W^T`` before
+    ``h^T @ g``, a convolution's input gradient before its filter gradient): every edge of the
+    graph then still runs from an older op to a newer one, so none closes a cycle (a producer
+    that also feeds the backward pass, where a weight's gradient is the incoming gradient
+    itself, is older than what it feeds)."""
+    readers = [r for r in value_readers(handle, floor)
+               if tf_graph.creation_index(r) > floor
+               and r.type not in op_types.VALUE_VIEW_OP_TYPES]  # a view's readers hold it
+    added = 0
+    for producer in gradient_producers(grad, floor):
+        if (producer.type in op_types.WHILE_OP_TYPES | op_types.COND_OP_TYPES
+                or tf_graph.is_function_call(producer)):
+            # A loop's, cond's or call's gradient op: a later derivative rewrites it to output
+            # more (TensorFlow adds inputs), after which a control input is refused.
+            continue
+        inputs = {t.ref() for t in producer.inputs}
+        made = tf_graph.creation_index(producer)
+        siblings = [r for r in readers if tf_graph.creation_index(r) < made
+                    and any(t.ref() in inputs for t in r.inputs)]
+        if siblings:
+            _add_control_inputs(producer, siblings)
+            added += len(siblings)
+    return added
+
+
 def mark_early_roots(updates: Sequence[VariableUpdate]) -> None:
     """Fill ``early_roots``: per update, the first ops that need neither the gradient nor
     anything another update shares (``momentum * m`` reads a slot and a constant); and
