@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import memsave_grads as mg
 from memsave_grads import measure
-from tf_builders import tanh_layers
+from tf_builders import tanh_layers, updates_that_copied
 
 MIB = measure.MIB
 ROWS, COLS = 256, 1024  # 1 MiB of float32 per activation
@@ -166,14 +166,7 @@ def test_an_update_of_our_gradients_does_not_copy_the_weight():
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(init)
         sess.run(train)  # first step: the initializers' values still share the buffers
-        copies = []
-        for _ in range(3):
-            metadata = tf.compat.v1.RunMetadata()
-            sess.run(train, options=tf.compat.v1.RunOptions(
-                trace_level=tf.compat.v1.RunOptions.FULL_TRACE), run_metadata=metadata)
-            copies += [n.node_name for d in metadata.step_stats.dev_stats
-                       for n in d.node_stats if "ResourceApply" in n.node_name
-                       and any(m.total_bytes for m in n.memory)]
+        copies = updates_that_copied(sess, train, 3)
     assert not copies, f"{len(copies)} updates copied their weight: {copies[:3]}"
 
 

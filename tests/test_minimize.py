@@ -14,6 +14,7 @@ from memsave_grads import measure
 from memsave_grads._tf import early_release
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads.optimize import minimize
+from tf_builders import updates_that_copied
 
 MIB = measure.MIB
 
@@ -201,14 +202,7 @@ def test_update_does_not_copy_the_weight():
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             sess.run(train)  # first step: the initializers' constants still share the buffers
-            copies = []
-            for _ in range(6):
-                metadata = tf.compat.v1.RunMetadata()
-                sess.run(train, options=tf.compat.v1.RunOptions(
-                    trace_level=tf.compat.v1.RunOptions.FULL_TRACE), run_metadata=metadata)
-                copies += [n.node_name for d in metadata.step_stats.dev_stats
-                           for n in d.node_stats if "ResourceApply" in n.node_name
-                           and any(m.total_bytes for m in n.memory)]
+            copies = updates_that_copied(sess, train, 6)
     assert not copies, f"updates copied their weight: {copies}"
 
 

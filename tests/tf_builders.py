@@ -43,3 +43,17 @@ def residual_mlp_step(x, weights, seen: list | None = None):
         return mg.gradients(loss, weights, checkpoints=checkpoints)
 
     return step
+
+
+def updates_that_copied(sess, train, steps: int) -> list[str]:
+    """The variable updates (``ResourceApply...`` ops) that allocated memory in ``steps`` traced
+    runs of ``train``: an update allocates only where it found its variable's buffer shared
+    with a value still read, and TensorFlow copied the whole weight first (copy-on-write)."""
+    copied = []
+    for _ in range(steps):
+        metadata = tf.compat.v1.RunMetadata()
+        sess.run(train, options=tf.compat.v1.RunOptions(
+            trace_level=tf.compat.v1.RunOptions.FULL_TRACE), run_metadata=metadata)
+        copied += [n.node_name for d in metadata.step_stats.dev_stats for n in d.node_stats
+                   if "ResourceApply" in n.node_name and any(m.total_bytes for m in n.memory)]
+    return copied
