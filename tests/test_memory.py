@@ -4,12 +4,15 @@ Byte counts from the allocator are deterministic for a given graph, so the bound
 exact measurements with headroom, not timings.
 """
 
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memsave_grads as mg
 from memsave_grads import measure
+import children  # noqa: E402
 from tf_builders import tanh_layers, updates_that_copied
 
 MIB = measure.MIB
@@ -170,14 +173,27 @@ def test_an_update_of_our_gradients_does_not_copy_the_weight():
     assert not copies, f"{len(copies)} updates copied their weight: {copies[:3]}"
 
 
+_STEP_PEAK = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import tensorflow as tf
+import test_memory as module
+graph, init, train, predicted_mib = module._sgd_step_of_our_gradients()
+with tf.compat.v1.Session(graph=graph) as sess:
+    sess.run(init)
+    sess.run(train)
+    peak = max(measure.peak_bytes_of(lambda: sess.run(train))[0] for _ in range(4))
+print(json.dumps([peak / module.MIB, predicted_mib]))
+"""
+
+
 def test_the_step_of_our_gradients_stays_within_a_weight_of_the_plan():
     """The step's peak (gradients + the caller's SGD update) stays below the plan's predicted
     peak plus one weight: 13-17 MiB measured against 16 predicted, where the weight copies of
     racing updates made it 16-25 MiB (on the demo net, 64 blocks, 26-37 against 25)."""
-    graph, init, train, predicted_mib = _sgd_step_of_our_gradients()
-    with tf.compat.v1.Session(graph=graph) as sess:
-        sess.run(init)
-        sess.run(train)
-        peak_mib = max(measure.peak_bytes_of(lambda: sess.run(train))[0] for _ in range(4)) / MIB
+    # In a fresh process, its heap reserved first: after other tests, the allocator may serve
+    # a gradient from a larger free chunk whole (design note "writes after reads").
+    peak_mib, predicted_mib = children.run_json(
+        _STEP_PEAK, os.path.dirname(os.path.abspath(__file__)))
     assert peak_mib < predicted_mib + WEIGHT_MIB, (
         f"SGD step of 'memory' gradients peaked at {peak_mib:.1f} MiB; plan {predicted_mib:.1f}")
