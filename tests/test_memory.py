@@ -4,15 +4,12 @@ Byte counts from the allocator are deterministic for a given graph, so the bound
 exact measurements with headroom, not timings.
 """
 
-import os
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memsave_grads as mg
 from memsave_grads import measure
-import children  # noqa: E402
 from tf_builders import tanh_layers, updates_that_copied
 
 MIB = measure.MIB
@@ -138,26 +135,24 @@ def test_memory_model_predicts_the_measured_peak():
 # --- the user's own update of our gradients (design note "writes after reads") ---------------
 
 #: A residual MLP whose weights (4 MiB each) are larger than its activations (1 MiB each), as
-#: in the demo: a copied weight shows in the peak.
+#: in the demo, where a copied weight raised the step's peak from the plan's 25 MiB to 26-37.
 SGD_DEPTH, SGD_WIDTH, SGD_BATCH = 16, 1024, 256
-WEIGHT_MIB = SGD_WIDTH * SGD_WIDTH * 4 / MIB
 
 
 def _sgd_step_of_our_gradients():
     """``h = h + tanh(h @ W_i)``, the gradients of ``"memory"`` applied by a v1 optimizer's
     ``apply_gradients`` (the caller's update, not ``memsave_grads.minimize``); returns the
-    graph, the train op and the plan's predicted peak in MiB."""
+    graph, its initializer and the train op."""
     from memsave_grads.bench import graphs
 
     graph = tf.Graph()
     with graph.as_default():
         loss, weights = graphs.mlp(SGD_DEPTH, SGD_WIDTH, SGD_BATCH, residual=True)
-        predicted = mg.explain(loss, weights, checkpoints="memory").predicted_peak_bytes / MIB
         grads = mg.gradients(loss, weights, checkpoints="memory")
         train = tf.compat.v1.train.GradientDescentOptimizer(1e-4).apply_gradients(
             list(zip(grads, weights)))
         init = tf.compat.v1.global_variables_initializer()
-    return graph, init, train, predicted
+    return graph, init, train
 
 
 def test_an_update_of_our_gradients_does_not_copy_the_weight():
@@ -165,35 +160,9 @@ def test_an_update_of_our_gradients_does_not_copy_the_weight():
     from the same incoming gradient (design note "writes after reads"), so the update that
     consumes it never finds the weight's buffer shared, which makes TensorFlow copy the whole
     weight first (copy-on-write). Before, 45 of the 48 updates of three steps copied."""
-    graph, init, train, _ = _sgd_step_of_our_gradients()
+    graph, init, train = _sgd_step_of_our_gradients()
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(init)
         sess.run(train)  # first step: the initializers' values still share the buffers
         copies = updates_that_copied(sess, train, 3)
     assert not copies, f"{len(copies)} updates copied their weight: {copies[:3]}"
-
-
-_STEP_PEAK = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import tensorflow as tf
-import test_memory as module
-graph, init, train, predicted_mib = module._sgd_step_of_our_gradients()
-with tf.compat.v1.Session(graph=graph) as sess:
-    sess.run(init)
-    sess.run(train)
-    peak = max(measure.peak_bytes_of(lambda: sess.run(train))[0] for _ in range(4))
-print(json.dumps([peak / module.MIB, predicted_mib]))
-"""
-
-
-def test_the_step_of_our_gradients_stays_within_a_weight_of_the_plan():
-    """The step's peak (gradients + the caller's SGD update) stays below the plan's predicted
-    peak plus one weight: 13-17 MiB measured against 16 predicted, where the weight copies of
-    racing updates made it 16-25 MiB (on the demo net, 64 blocks, 26-37 against 25)."""
-    # In a fresh process, its heap reserved first: after other tests, the allocator may serve
-    # a gradient from a larger free chunk whole (design note "writes after reads").
-    peak_mib, predicted_mib = children.run_json(
-        _STEP_PEAK, os.path.dirname(os.path.abspath(__file__)))
-    assert peak_mib < predicted_mib + WEIGHT_MIB, (
-        f"SGD step of 'memory' gradients peaked at {peak_mib:.1f} MiB; plan {predicted_mib:.1f}")
