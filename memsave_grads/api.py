@@ -291,6 +291,10 @@ def _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: dict)
         if not decision.rewrite:  # design note "never worse"
             _warn_plain_once(prepared.checkpoints.given, prepared, decision.reason,
                              "plain tf.gradients" if plain is None else plain.name)
+            if plain is None:
+                # As the plan would (run_plan); a caller's own plain gradients (a tape's
+                # recorded backward functions) see the graph as it was recorded.
+                loops.hoist_reads(prepared.region)
             return _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs, plain)
         return run_plan(prepared, prepared.plan)
     finally:
@@ -322,8 +326,8 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
     why_not = ("here loops are kept as they are built (wrap_model(..., "
                "recompute_cells=False))" if not _LOOPS_RECOMPUTED.get() else
                "'memory' and budgets recompute a loop's body inside where that stores less, "
-               "but not under XLA, nor where a stateful op of the body reads a value the "
-               "iteration computes")
+               "but not where a stateful op of the body reads a value the iteration computes "
+               "(nor, under XLA, where the body writes a variable)")
     loop_hint = (
         f" {len(while_ops)} of those ops are loops whose gradients store what every iteration "
         f"needs; {why_not}: to save inside such a loop, recompute its step with "
@@ -340,6 +344,9 @@ def run_plan(prepared: "Prepared", plan: plan_lib.Plan) -> list:
     gradients, one per given x. ``gradients()`` runs the selected plan; tests force others."""
     model = prepared.selection.model
     arguments = prepared.arguments
+    # Under XLA, loops read their variables once, before they run (design note "loop reads
+    # under XLA"); the memory model counted them so.
+    loops.hoist_reads(prepared.region)
     floor = tf_graph.last_op_id(arguments.graph)  # ops newer than this are the rewrite's
     loops.recompute_bodies(prepared.selection.recomputed_loops)
     options = stitch.CallOptions(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 import weakref
 from typing import Callable, Sequence
 
@@ -201,6 +202,41 @@ def _passes_through(t: tf.Tensor) -> tf.Tensor:
     while t.op.type in op_types.VIEW_OP_TYPES and t.op.inputs:
         t = t.op.inputs[0]
     return t
+
+
+def untouched_loop(op: tf.Operation) -> bool:
+    """A while_v2 loop as its builder made it: no gradient of it built yet (while_v2 renames
+    the functions of a loop whose gradient it built "..._rewritten") and not itself a gradient
+    loop (a second derivative's region: "<forward>_grad_<uid>")."""
+    if op.type not in op_types.WHILE_OP_TYPES or tf_graph.uses_v1_control_flow(op):
+        return False
+    body_name = op.get_attr("body").name
+    return not (body_name.endswith("_rewritten") or re.search(r"_grad_\d+$", body_name))
+
+
+def hoistable_reads(op: tf.Operation) -> list:
+    """``(input position, read op)`` for the whole-variable reads of loop ``op``'s body that
+    may run once before the loop instead (design note "loop reads under XLA"): reads of a
+    handle the body passes on unchanged, in a body whose variable handles are only read (no
+    write, no nested function receiving one: every iteration would read the same value).
+    Empty where the loop is not :func:`untouched_loop` or its body cannot be read."""
+    if not untouched_loop(op):
+        return []
+    graphs = body_graphs(op)
+    if not graphs:
+        return []
+    (body,) = graphs
+    invariant = loop_invariant_positions(body, body_outputs(op, body))
+    found = []
+    for i, t in enumerate(body.inputs):
+        if t.dtype != tf.resource:
+            continue
+        users = t.consumers()
+        if any(not tf_graph.is_handle_gradient_read(u) for u in users):
+            return []
+        if i in invariant:
+            found += [(i, u) for u in users if u.type in op_types.VARIABLE_READ_OP_TYPES]
+    return found
 
 
 def loop_invariant_positions(body, outputs) -> set[int]:
@@ -426,7 +462,13 @@ def _gradient_facts(op: tf.Operation) -> GradientFacts | None:
         # ran: buffers of the conditional's own, variable reads copied.
         xla_conditional = not loop and ordering.xla_in_effect(op.graph) and (
             op.type in op_types.COND_OP_TYPES or op.type in op_types.CASE_OP_TYPES)
-        bodies = [_body_facts(g, body_outputs(op, g), gradient_facts, loop, xla_conditional)
+        # Under XLA a loop's gradient stores a copy of every value its body reads from a
+        # variable, per iteration, unless the read runs before the loop (``loops.
+        # hoist_reads``, design note "loop reads under XLA").
+        xla_loop_copies = (loop and ordering.xla_in_effect(op.graph)
+                           and not hoistable_reads(op))
+        bodies = [_body_facts(g, body_outputs(op, g), gradient_facts, loop,
+                              xla_conditional or xla_loop_copies)
                   for g in graphs]
     except (ValueError, TypeError, AttributeError) as e:  # a body we cannot model
         _LOG.debug("memsave_grads: cannot model the body of %s: %s", op.name, e)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import heapq
 from typing import Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
 
 import tensorflow as tf
@@ -424,7 +425,35 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
     downstream = {op for op in walk([c for x in xs for c in x.consumers()], crossed)
                   if op.type not in op_types.SHAPE_OP_TYPES}
     upstream = walk([y.op for y in ys], input_ops, include=downstream.__contains__)
-    return sorted((op for op in upstream if op not in stop_ops), key=creation_index)
+    return topological((op for op in upstream if op not in stop_ops))
+
+
+def topological(ops: Iterable[tf.Operation]) -> list[tf.Operation]:
+    """``ops`` in creation order, which is a topological order of their data edges unless an
+    op was given an input made after it: a while loop's hoisted reads (``_tf.loops.
+    hoist_reads``), as while_v2's own accumulators are. Then the earliest-created op whose
+    inputs among ``ops`` are all placed comes next."""
+    ordered = sorted(ops, key=creation_index)
+    position = {op: i for i, op in enumerate(ordered)}
+    if all(position.get(t.op, -1) < i for i, op in enumerate(ordered) for t in op.inputs):
+        return ordered
+    waiting = [sum(1 for t in op.inputs if t.op in position) for op in ordered]
+    consumers: dict = {}
+    for i, op in enumerate(ordered):
+        for t in op.inputs:
+            if t.op in position:
+                consumers.setdefault(position[t.op], []).append(i)
+    ready = [i for i, count in enumerate(waiting) if not count]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        i = heapq.heappop(ready)
+        out.append(ordered[i])
+        for j in consumers.get(i, ()):
+            waiting[j] -= 1
+            if not waiting[j]:
+                heapq.heappush(ready, j)
+    return out
 
 
 def uses_v1_control_flow(op: tf.Operation) -> bool:

@@ -17,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import re
 from typing import Iterable, Sequence
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import control_flow_v2_func_graphs
 
@@ -65,27 +65,24 @@ class LoopPlan:
 
 
 def eligible(op: tf.Operation) -> bool:
-    """A while_v2 loop whose body can be recomputed inside: not compiled by XLA (a compiled
-    loop's backward body did not pay, design note "ordering under XLA"), not holding a custom
-    gradient already (``recompute(step)``, Keras 3 recurrent layers under ``wrap_model``), no
-    gradient of it built yet, not itself a gradient loop, and no stateful op of its body reads
-    a value computed in the iteration (it would have to run again)."""
-    if op.type not in op_types.WHILE_OP_TYPES or tf_graph.uses_v1_control_flow(op):
-        return False
+    """A while_v2 loop whose body can be recomputed inside: not holding a custom gradient
+    already (``recompute(step)``, Keras 3 recurrent layers under ``wrap_model``), no gradient
+    of it built yet, not itself a gradient loop, no stateful op of its body reads a value
+    computed in the iteration (it would have to run again), and, under XLA, every
+    whole-variable read of its body hoisted before the loop (:func:`hoist_reads`; XLA would
+    store a copy of each read's value per replay)."""
     if getattr(op, _RECOMPUTED_ATTR, None) is not None:
         return True
-    # while_v2 renames the functions of a loop whose gradient it built "..._rewritten", and
-    # names a gradient loop's "<forward>_grad_<uid>": a gradient loop (a second derivative's
-    # region) is differentiated as it is.
-    body_name = op.get_attr("body").name
-    if (body_name.endswith("_rewritten") or re.search(r"_grad_\d+$", body_name)
-            or ordering.xla_in_effect(op.graph)):
-        return False
-    if tf_graph.loop_body_has_custom_gradient(op):
+    if not function_ops.untouched_loop(op) or tf_graph.loop_body_has_custom_gradient(op):
         return False
     graphs = function_ops.body_graphs(op)
     if not graphs:
         return False
+    if ordering.xla_in_effect(op.graph):
+        hoisted = {read for _, read in function_ops.hoistable_reads(op)}
+        if any(o.type in op_types.VARIABLE_READ_OP_TYPES and o not in hoisted
+               for o in graphs[0].get_operations()):
+            return False
     return _state_reads_only_fixed_values(graphs[0])
 
 
@@ -172,6 +169,90 @@ def chosen(region: Iterable[tf.Operation]) -> dict:
     return plans
 
 
+def hoist_reads(region: Iterable[tf.Operation]) -> int:
+    """Under XLA, read each variable a loop of ``region`` reads whole once before the loop,
+    and pass its value in as a loop invariant (design note "loop reads under XLA"); the loop
+    computes the same values. Returns the reads hoisted.
+
+    A variable read in a while_v2 body is an intermediate of every iteration, and the loop's
+    gradient pushes every intermediate it reads onto an accumulator: outside XLA the pushed
+    value aliases the variable's buffer, but XLA's accumulator is a buffer of its own, one
+    copy of the weight per iteration (an LSTM cell's kernels, T times). A loop invariant is
+    captured by the gradient as it is, never accumulated. Nothing changes outside XLA."""
+    hoisted = 0
+    for op in region:
+        if op.type in op_types.WHILE_OP_TYPES and ordering.xla_in_effect(op.graph):
+            reads = function_ops.hoistable_reads(op)
+            if reads and _no_write_since(op, reads):
+                _hoist(op, reads)
+                hoisted += len(reads)
+    return hoisted
+
+
+def _no_write_since(op: tf.Operation, reads) -> bool:
+    """No op made after loop ``op`` (before the gradient that hoists its reads) writes a
+    variable it reads: the hoisted read, made now, must see the value the loop saw."""
+    since = tf_graph.creation_index(op)
+    return all(tf_graph.creation_index(user) < since or user is op
+               or user.type in op_types.HANDLE_GRADIENT_READ_OP_TYPES
+               for i, _ in reads for user in op.inputs[i].consumers())
+
+
+def _hoist(op: tf.Operation, reads) -> None:
+    (body,) = function_ops.body_graphs(op)
+    cond = function_ops.cond_graph(op)
+    outputs = function_ops.body_outputs(op, body)
+    with op.graph.as_default(), op.graph.control_dependencies(op.control_inputs):
+        # The loop's own control inputs: the read sees the state the loop's reads saw.
+        values = [tf.raw_ops.ReadVariableOp(resource=op.inputs[i], dtype=read.get_attr("dtype"),
+                                            name=f"{op.name}_hoisted_read")
+                  for i, read in reads]
+    for value, (_, read) in zip(values, reads):
+        value.set_shape(read.outputs[0].shape)
+    read_ops = {read for _, read in reads}
+
+    def rebuilt(graph, name, graph_class, outputs_of):
+        inputs = {t.ref() for t in graph.inputs}
+        ops = [o for o in graph.get_operations() if o not in read_ops
+               and (o.type not in op_types.FEED_OP_TYPES or o.outputs[0].ref() not in inputs)]
+
+        def build(placeholders):
+            extra = [tf.compat.v1.placeholder(v.dtype, v.shape, name="hoisted_read")
+                     for v in values]
+            replacements = {t.ref(): p for t, p in zip(graph.inputs, placeholders)}
+            replacements.update((read.outputs[0].ref(), p) for (_, read), p in zip(reads, extra))
+            copies = rewrite.copy_ops(ops, "", [], replacements,
+                                      graph=tf.compat.v1.get_default_graph())
+            placeholders.extend(extra)  # the rebuilt graph's inputs: the loop's, then these
+
+            def mapping(t):
+                return (copies[t.op].outputs[t.value_index] if t.op in copies
+                        else replacements.get(t.ref(), t))
+
+            return ([mapping(t) for t in outputs_of] + outputs_for(extra),
+                    [copies[o] for o in graph.control_outputs if o in copies])
+
+        outputs_for = (lambda extra: extra) if graph is body else (lambda extra: [])
+        return exposure.rebuilt_function_graph(graph, f"{graph.name}_{name}{next(_counter)}",
+                                               op.graph, build, graph_class=graph_class)
+
+    new_body = rebuilt(body, "hoisted", control_flow_v2_func_graphs.WhileBodyFuncGraph,
+                       outputs)
+    new_cond = rebuilt(cond, "hoisted", control_flow_v2_func_graphs.WhileCondFuncGraph,
+                       cond.outputs)
+    # As while_v2 adds its accumulators to a loop whose gradient it builds.
+    op._set_func_attr("body", control_flow_util_v2.create_new_tf_function(new_body))  # pylint: disable=protected-access
+    op._set_func_attr("cond", control_flow_util_v2.create_new_tf_function(new_cond))  # pylint: disable=protected-access
+    op._set_type_list_attr("T", [t.dtype for t in new_body.outputs])  # pylint: disable=protected-access
+    op._set_shape_list_attr("output_shapes", [t.shape for t in new_body.outputs])  # pylint: disable=protected-access
+    op._add_while_inputs(values)  # pylint: disable=protected-access
+    op._add_outputs([v.dtype for v in values], [v.shape for v in values])  # pylint: disable=protected-access
+    op._set_attr("_num_original_outputs", attr_value_pb2.AttrValue(i=len(op.outputs)))  # pylint: disable=protected-access
+    op._body_graph, op._cond_graph = new_body, new_cond  # pylint: disable=protected-access
+    _LOG.debug("memsave_grads: %d variable read(s) of loop %s run once before it (XLA)",
+               len(values), op.name)
+
+
 def recompute_bodies(plans: dict) -> None:
     """Replace each loop's body as planned (module docstring); each loop once."""
     for op in sorted(plans, key=tf_graph.creation_index):
@@ -215,6 +296,7 @@ def _merged_reads(reads: Sequence[tf.Operation], inputs: list) -> list:
 
 def _recompute_body(op: tf.Operation, loop_plan: LoopPlan) -> None:
     (body,) = function_ops.body_graphs(op)
+    trip_count, _ = function_ops.trip_count(op, body, function_ops.cond_graph(op))
     outputs = function_ops.body_outputs(op, body)
     invariant = function_ops.loop_invariant_positions(body, outputs)
     varying = [i for i in range(len(outputs)) if i not in invariant]
@@ -292,6 +374,15 @@ def _recompute_body(op: tf.Operation, loop_plan: LoopPlan) -> None:
         graph_class=control_flow_v2_func_graphs.WhileBodyFuncGraph)
     op._set_func_attr("body", control_flow_util_v2.create_new_tf_function(new_body))  # pylint: disable=protected-access
     op._body_graph = new_body  # pylint: disable=protected-access
+    if unroll > 1:
+        # The loop now runs trip_count / unroll times: while_v2 sizes its gradient's
+        # accumulators by the loop's iteration bound, which XLA allocates whole (a bound of
+        # trip_count held unroll times what the loop stores). The counted condition on the
+        # loop's own variable (LoopPlan) still ends it; the bound was at least trip_count.
+        with op.graph.as_default(), op.graph.control_dependencies(None):
+            bound = tf.constant(trip_count // unroll, op.inputs[1].dtype,
+                                name=f"{op.name}_iterations_unrolled")
+        op._update_input(1, bound)  # pylint: disable=protected-access
     setattr(op, _RECOMPUTED_ATTR, loop_plan)
     _LOG.debug("memsave_grads: the body of loop %s is recomputed in its backward "
                "iterations, %d iteration(s) at a time", op.name, unroll)
