@@ -165,8 +165,8 @@ def _xla_benchmark(args: argparse.Namespace) -> tuple[list, int]:
 
 
 def _control_flow_benchmark() -> tuple[list, int]:
-    """The results of :mod:`bench.control_flow` (five forward passes, two methods) and the exit
-    status."""
+    """The results of :mod:`bench.control_flow` (six forward passes, without and with XLA, two
+    methods) and the exit status."""
     shape = bench_control_flow.Shape()
     _LOG.info("[control flow] %d blocks, width %d, batch %d (%.3g MiB per activation), "
               "a fresh process per cell ...", shape.depth, shape.width, shape.batch,

@@ -1,8 +1,9 @@
 """The control-flow benchmark: the same residual blocks, written six ways (plain, a ``tf.cond``
 per block, the same with dropout in the training branch, a nested ``tf.function`` per block,
-one calling another per block, one ``tf.while_loop`` over stacked weights), trained one SGD step in a ``tf.function`` with
-``tf.gradients`` and with memsave_grads ``"memory"`` (``memsave-grads benchmark --control-flow
-only``; docs/benchmarks.md, "Control flow and calls").
+one calling another per block, one ``tf.while_loop`` over stacked weights), trained one SGD
+step in a ``tf.function``, without and with ``jit_compile``, with ``tf.gradients`` and with
+memsave_grads ``"memory"`` (``memsave-grads benchmark --control-flow only``;
+docs/benchmarks.md, "Control flow and calls").
 
 Every (forward pass, method) is measured in a fresh process (:func:`measure`, which runs this
 module as a script): the executor's order and the allocator's history move a step's peak, and
@@ -16,6 +17,7 @@ the same draws).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 from typing import Sequence
@@ -119,8 +121,10 @@ class Model:
             def body(i, h):
                 return i + 1, _block(h, tf.gather(stacked, i))
 
+            # The bound: XLA sizes the gradient's accumulators by it (it compiles no loop
+            # without one).
             _, h = tf.while_loop(lambda i, h: i < self.shape.depth, body,
-                                 [tf.constant(0), h])
+                                 [tf.constant(0), h], maximum_iterations=self.shape.depth)
         else:
             raise ValueError(f"unknown forward pass {self.forward_kind!r}")
         return tf.reduce_mean(tf.square(h))
@@ -137,6 +141,7 @@ class Result:
 
     forward: str
     method: str
+    jit_compile: bool = False
     peak_bytes: list | None = None
     predicted_plan_bytes: int | None = None
     predicted_plain_bytes: int | None = None
@@ -152,26 +157,30 @@ class Result:
         return ordered[len(ordered) // 2]
 
 
-def measure(forward: str, method: str, shape: Shape = Shape()) -> Result:
-    """One cell in a fresh process."""
-    request = {"forward": forward, "method": method, "shape": dataclasses.asdict(shape)}
+def measure(forward: str, method: str, shape: Shape = Shape(),
+            jit_compile: bool = False) -> Result:
+    """One cell in a fresh process; the step compiled by XLA where ``jit_compile``."""
+    request = {"forward": forward, "method": method, "shape": dataclasses.asdict(shape),
+               "jit_compile": jit_compile}
     outcome = child.run(__name__, request)
-    result = Result(forward, method)
+    result = Result(forward, method, jit_compile)
     if outcome.returncode != 0 or outcome.result is None:
         result.failed = outcome.last_error_line()
         _LOG.error("%s / %s failed:\n%s", forward, method, outcome.stderr[-3000:])
         return result
     for key, value in outcome.result.items():
         setattr(result, key, value)
-    _LOG.info("%s / %s: peaks %s MiB", forward, method,
+    _LOG.info("%s / %s%s: peaks %s MiB", forward, method, " / XLA" if jit_compile else "",
               [round(p / measure_lib.MIB, 1) for p in result.peak_bytes])
     return result
 
 
-def measure_all(shape: Shape = Shape(), forwards: Sequence[str] | None = None) -> list[Result]:
-    """Every (forward pass, method), each in its own process."""
+def measure_all(shape: Shape = Shape(), forwards: Sequence[str] | None = None,
+                jit_compile: Sequence[bool] = (False, True)) -> list[Result]:
+    """Every (forward pass, without and with XLA, method), each in its own process."""
     keys = [key for key, _ in FORWARDS if forwards is None or key in forwards]
-    return [measure(forward, method, shape) for forward in keys for method, _ in METHODS]
+    return [measure(forward, method, shape, jit) for forward in keys for jit in jit_compile
+            for method, _ in METHODS]
 
 
 def _max_rel_error(grads, reference) -> float:
@@ -190,11 +199,12 @@ def _measure_here(request: dict, learning_rate: float = 1e-4) -> dict:
     shape = Shape(**request["shape"])
     model = Model(request["forward"], shape)
     method = request["method"]
+    jit_compile = bool(request.get("jit_compile"))
     training = tf.constant(True)
     out: dict = {}
     signature = [tf.TensorSpec([], tf.bool)]
 
-    @tf.function(input_signature=signature, autograph=False)
+    @tf.function(input_signature=signature, autograph=False, jit_compile=jit_compile)
     def step(training):
         loss = model.loss(training)
         if method != METHODS[0][0]:
@@ -214,11 +224,11 @@ def _measure_here(request: dict, learning_rate: float = 1e-4) -> dict:
     if method != METHODS[0][0]:
         # Each in its own function, called once: the same seeded draws, and neither sees the
         # other's gradient ops (a gradient built first changes what the forward ops output).
-        @tf.function(input_signature=signature, autograph=False)
+        @tf.function(input_signature=signature, autograph=False, jit_compile=jit_compile)
         def reference_gradients(training):
             return model.gradients(model.loss(training), METHODS[0][0])
 
-        @tf.function(input_signature=signature, autograph=False)
+        @tf.function(input_signature=signature, autograph=False, jit_compile=jit_compile)
         def our_gradients(training):
             return model.gradients(model.loss(training), method)
 
@@ -247,14 +257,14 @@ def _range_mib(values: list | None) -> str:
 def table(results: Sequence[Result]) -> str:
     """One row per forward pass: tf.gradients' peak, "memory"'s peak, the ratio of the
     medians, the memory model's predictions for both, and the gradient error."""
-    by_key = {(r.forward, r.method): r for r in results}
+    by_key = {(r.forward, r.jit_compile, r.method): r for r in results}
     rows = []
-    for forward, label in FORWARDS:
-        reference = by_key.get((forward, METHODS[0][0]))
-        ours = by_key.get((forward, METHODS[1][0]))
+    for (forward, label), jit in itertools.product(FORWARDS, (False, True)):
+        reference = by_key.get((forward, jit, METHODS[0][0]))
+        ours = by_key.get((forward, jit, METHODS[1][0]))
         if reference is None or ours is None:
             continue
-        cells = [label]
+        cells = [label + (", jit_compile" if jit else "")]
         for r in (reference, ours):
             cells.append("failed: " + r.failed[:40] if r.failed else _range_mib(r.peak_bytes))
         plain_peak, our_peak = reference.median_peak_bytes, ours.median_peak_bytes
@@ -270,7 +280,8 @@ def table(results: Sequence[Result]) -> str:
 
 TABLE_NOTES = (
     "One SGD step in tf.function of the same residual blocks (h = h + tanh(h @ W_i)), written "
-    "five ways. MiB: the CPU BFC allocator's peak of the step above what is in use before it, "
+    "six ways, each without and with jit_compile (XLA). MiB: the CPU BFC allocator's peak of "
+    "the step above what is in use before it, "
     f"the range over {PEAK_RUNS} steps after a warm-up, one fresh process per cell. saving: "
     "tf.gradients' median over 'memory''s. predicted: the memory model's peak of the plan and "
     "of plain tf.gradients (explain()). runs: what 'memory' ran, its plan or tf.gradients (the "
