@@ -60,9 +60,11 @@ def _rewritten_ops(graph):
 
 #: The least saving each forward pass must show at this size (measured, 2026-11-27: plain
 #: 3.6x, cond 3.8x, cond with dropout 2.9x, function 3.2x, function of function 5.0x, while
-#: 2.5-3.5x), with headroom.
+#: 2.5-3.5x; 2026-11-28 the loop alone 4.0x (36.8 / 9.2 MiB), but 2.14x (24.1 / 11.3) with a
+#: second pytest worker busy beside it: the executor's interleaving moves both peaks), with
+#: headroom.
 LEAST_SAVING = {"plain": 2.8, "cond": 2.8, "cond_dropout": 2.3, "function": 2.7,
-                "function_of_function": 2.7, "while": 2.2}
+                "function_of_function": 2.7, "while": 1.8}
 
 
 @pytest.mark.never_worse
@@ -351,14 +353,26 @@ def test_a_loop_keeps_every_iteration():
 
 
 @pytest.mark.parametrize("loop,count,counted", [
-    ("scan", 7, True), ("bounded", 3, False), ("data_dependent", None, False)])
+    ("scan", 7, True), ("bounded", 3, False), ("data_dependent", None, False),
+    ("shrinking_limit", 10, False), ("float_counter", 3, False)])
 def test_trip_counts(loop, count, counted):
     """A scan's length; a data-dependent condition bounded by ``maximum_iterations`` (not
-    exact: it may stop earlier); no bound at all."""
+    exact: it may stop earlier); no bound at all. ``i < n`` where the body lowers ``n`` (5
+    iterations of at most 10) and a float counter (0.1 added three times is not 0.3: 3
+    iterations where the arithmetic in float64 says 4) are not counting conditions: an
+    unrolled body would run the wrong number of iterations."""
     def build():
         h, w = _inputs()
         if loop == "scan":
             out = tf.scan(lambda a, x: a + x, tf.zeros([7, ROWS, COLS]), initializer=h)
+        elif loop == "shrinking_limit":
+            _, _, out = tf.while_loop(lambda i, n, a: i < n,
+                                      lambda i, n, a: (i + 1, n - 1, a * 2.0),
+                                      [tf.constant(0), tf.constant(10), h],
+                                      maximum_iterations=10)
+        elif loop == "float_counter":
+            _, out = tf.while_loop(lambda t, a: t < 0.3, lambda t, a: (t + 0.1, a * 2.0),
+                                   [tf.constant(0.0), h], maximum_iterations=3)
         else:
             _, out = tf.while_loop(lambda i, a: tf.reduce_sum(a) < 1e6,
                                    lambda i, a: (i + 1, a * 2.0), [tf.constant(0), h],

@@ -16,6 +16,7 @@ import children
 import memsave_grads as mg
 from conftest import assert_grads_close
 from memsave_grads import measure
+from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import ordering
 from memsave_grads.core import op_types
 from memsave_grads.bench import xla as bench_xla
@@ -371,6 +372,74 @@ def test_a_loops_reads_hoisted_under_xla_are_exact_to_second_order():
     assert_grads_close([t.numpy() for t in ours()],
                        [t.numpy() for t in second(original_gradients)()], rtol=1e-10)
     assert len(_hoisted_reads(ours.get_concrete_function().graph)) == 1
+
+
+@pytest.mark.parametrize("idiom", ["tape_after", "gradient_penalty"])
+def test_a_tape_that_recorded_a_hoisted_loop_differentiates_it_exactly(idiom):
+    """A tf.GradientTape (not routed) that recorded the loop before gradients() hoisted its
+    reads differentiates the op as it was recorded, with its old inputs: without the wrapped
+    While gradient (loops._ensure_while_gradient_wrapped) the variable's gradient was zeros.
+    The gradient-penalty idiom: an outer tape around gradients(), then the gradient of the
+    squared gradient norm."""
+    rng = np.random.RandomState(0)
+    initial, x = rng.randn(8, 8) * 0.3, tf.constant(rng.randn(4, 8))
+
+    def run(gradients):
+        w = tf.Variable(initial)
+
+        @tf.function(jit_compile=True, autograph=False)
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(_loop_of_layers(w, x, 12) ** 3)
+                (g,) = gradients(loss, [w])
+                penalty = tf.reduce_sum(g * g)
+            return [g, tape.gradient(loss if idiom == "tape_after" else penalty, w)]
+        return step
+
+    ours = run(lambda y, xs: mg.gradients(y, xs, checkpoints="memory"))
+    assert _hoisted_reads(ours.get_concrete_function().graph)
+    assert_grads_close([t.numpy() for t in ours()],
+                       [t.numpy() for t in run(original_gradients)()], rtol=1e-10)
+
+
+def test_a_hoisted_read_waits_for_what_the_loop_waits_for():
+    """TF1 graph, XLA auto-clustering: an assignment the loop waits for (a control dependency
+    around tf.while_loop lands on its initial values) is seen by the hoisted read."""
+    rng = np.random.RandomState(0)
+    initial = rng.randn(16, 16).astype(np.float32) * 0.1
+    inputs = rng.randn(32, 16).astype(np.float32)
+    slow_input = rng.randn(512, 512).astype(np.float32) * 0.04
+    tf.config.optimizer.set_jit(True)
+    try:
+        def run(gradients):
+            graph = tf.Graph()
+            with graph.as_default():
+                w = tf.Variable(initial)
+                big = tf.constant(slow_input)
+                slow = big
+                for _ in range(30):  # the assignment's value takes a while
+                    slow = tf.tanh(slow @ big)
+                assign = w.assign(initial * 2.0 + 0.0 * tf.reduce_sum(slow))
+                x = tf.constant(inputs)
+                with tf.control_dependencies([assign]):
+                    h = _loop_of_layers(w, x, 12)
+                grads = gradients(tf.reduce_sum(h * h), [w])
+                # Every hoisted read runs after the assignment (a race otherwise: it did not
+                # show in every run).
+                after_assign = [assign.op in set(tf_graph.walk(
+                    [read], lambda op: list(op.control_inputs) + [t.op for t in op.inputs]))
+                                for read in _hoisted_reads(graph)]
+                init = tf.compat.v1.global_variables_initializer()
+            with tf.compat.v1.Session(graph=graph) as session:
+                session.run(init)
+                return session.run(grads + [h]), after_assign
+
+        expected, _ = run(original_gradients)
+        ours, after_assign = run(lambda y, xs: mg.gradients(y, xs, checkpoints="memory"))
+    finally:
+        tf.config.optimizer.set_jit(False)
+    assert after_assign and all(after_assign)
+    assert_grads_close(ours, expected, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["writes", "no_xla"])

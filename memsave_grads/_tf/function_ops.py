@@ -214,29 +214,40 @@ def untouched_loop(op: tf.Operation) -> bool:
     return not (body_name.endswith("_rewritten") or re.search(r"_grad_\d+$", body_name))
 
 
-def hoistable_reads(op: tf.Operation) -> list:
-    """``(input position, read op)`` for the whole-variable reads of loop ``op``'s body that
-    may run once before the loop instead (design note "loop reads under XLA"): reads of a
-    handle the body passes on unchanged, in a body whose variable handles are only read (no
-    write, no nested function receiving one: every iteration would read the same value).
-    Empty where the loop is not :func:`untouched_loop` or its body cannot be read."""
+def hoistable_reads(op: tf.Operation) -> dict:
+    """The whole-variable reads of loop ``op``'s body that may run once before the loop
+    instead (design note "loop reads under XLA"), by the position of the handle they read
+    among the body's inputs: reads of a handle the body passes on unchanged, in a body whose
+    variable handles are only read (no write, no nested function receiving one: every
+    iteration reads the same value), where no op made after the loop writes the variable (a
+    read made now must see what the loop saw). Empty where the loop is not
+    :func:`untouched_loop` or its body cannot be read."""
     if not untouched_loop(op):
-        return []
+        return {}
     graphs = body_graphs(op)
     if not graphs:
-        return []
+        return {}
     (body,) = graphs
     invariant = loop_invariant_positions(body, body_outputs(op, body))
-    found = []
+    found: dict = {}
     for i, t in enumerate(body.inputs):
         if t.dtype != tf.resource:
             continue
         users = t.consumers()
         if any(not tf_graph.is_handle_gradient_read(u) for u in users):
-            return []
-        if i in invariant:
-            found += [(i, u) for u in users if u.type in op_types.VARIABLE_READ_OP_TYPES]
+            return {}
+        reads = [u for u in users if u.type in op_types.VARIABLE_READ_OP_TYPES]
+        if i in invariant and reads and _no_write_since(op, op.inputs[i]):
+            found[i] = reads
     return found
+
+
+def _no_write_since(op: tf.Operation, handle: tf.Tensor) -> bool:
+    """No op made after loop ``op`` takes ``handle`` but to read it."""
+    since = tf_graph.creation_index(op)
+    return all(tf_graph.creation_index(user) < since or user is op
+               or user.type in op_types.HANDLE_GRADIENT_READ_OP_TYPES
+               for user in handle.consumers())
 
 
 def loop_invariant_positions(body, outputs) -> set[int]:
@@ -251,10 +262,11 @@ def loop_invariant_positions(body, outputs) -> set[int]:
 
 
 def _body_facts(body, outputs, facts: FactsFunction, loop: bool,
-                copies_reads: bool = False) -> _BodyFacts:
+                copies_reads: bool = False, hoisted: frozenset = frozenset()) -> _BodyFacts:
     """Model one body graph (its op's ``outputs`` among the graph's): what its gradient reads
     (the module docstring). ``copies_reads``: a variable's value the gradient reads is a
-    buffer of its own, not the variable's (an XLA conditional outputs it)."""
+    buffer of its own, not the variable's (an XLA conditional outputs it, an XLA loop's
+    accumulator copies it), except for the ``hoisted`` reads (made once before the loop)."""
     placeholders = list(body.inputs)
     position = {t.ref(): i for i, t in enumerate(placeholders)}
     invariant = loop_invariant_positions(body, outputs) if loop else set()
@@ -276,7 +288,8 @@ def _body_facts(body, outputs, facts: FactsFunction, loop: bool,
     saved, reads_output = 0, False
     for v, op in enumerate(region):
         saved += model.internal_saved(v)
-        if copies_reads and op.type in op_types.VARIABLE_READ_OP_TYPES and read_by_gradient(v):
+        if (copies_reads and op.type in op_types.VARIABLE_READ_OP_TYPES and op not in hoisted
+                and read_by_gradient(v)):
             saved += tf_graph.tensor_bytes(op.outputs[0])  # 0 in the model: it aliases
             continue
         if model.is_view(v) or not model.size_bytes[v] or not read_by_gradient(v):
@@ -312,7 +325,8 @@ def _body_facts(body, outputs, facts: FactsFunction, loop: bool,
                 read_positions.add(position[source.ref()])
             elif (source.ref() not in counted and source.op.type != "Const"
                   and (source.op.type not in op_types.ALIAS_OP_TYPES
-                       or (copies_reads and source.op.type in op_types.VARIABLE_READ_OP_TYPES))):
+                       or (copies_reads and source.op.type in op_types.VARIABLE_READ_OP_TYPES
+                           and source.op not in hoisted))):
                 counted.add(source.ref())
                 saved += tf_graph.tensor_bytes(source)
     input_bytes = state_bytes = read_gradient_bytes = 0
@@ -397,9 +411,11 @@ def _counting_condition(op, t, cond, outputs) -> tuple[int, int] | None:
     positions = {u.ref(): i for i, u in enumerate(cond.inputs)}
     var, limit = (_passes_through(u) for u in t.op.inputs)
     i = positions.get(var.ref())
-    if i is None:
+    if i is None or not var.dtype.is_integer:
+        # A float counter adds in its own precision (0.1 three times is not 0.3): the count
+        # computed here could be off by one.
         return None
-    limit_value = _static_value_in(limit, positions, op)
+    limit_value = _static_value_in(limit, positions, op, outputs)
     start = tf.get_static_value(op.inputs[i])
     step = _constant_step(outputs, i)
     if limit_value is None or start is None or step is None or step <= 0:
@@ -408,14 +424,20 @@ def _counting_condition(op, t, cond, outputs) -> tuple[int, int] | None:
     return max(0, math.ceil(span / float(step))), i
 
 
-def _static_value_in(t, positions, op):
+def _static_value_in(t, positions, op, outputs):
     """The constant value of ``t`` in a condition graph: a constant, or a loop input that is
-    one (a captured bound)."""
+    one (a captured bound) and that the body passes on unchanged (a bound the body lowers is
+    not the count)."""
     value = tf.get_static_value(t) if t.op.type == "Const" else None
     if value is not None:
         return value
     i = positions.get(t.ref())
-    return tf.get_static_value(op.inputs[i]) if i is not None else None
+    if i is None or i >= len(outputs):
+        return None
+    body_input = outputs[i].graph.inputs[i]
+    if _passes_through(outputs[i]).ref() != body_input.ref():
+        return None
+    return tf.get_static_value(op.inputs[i])
 
 
 def _constant_step(outputs, i: int):
@@ -465,10 +487,11 @@ def _gradient_facts(op: tf.Operation) -> GradientFacts | None:
         # Under XLA a loop's gradient stores a copy of every value its body reads from a
         # variable, per iteration, unless the read runs before the loop (``loops.
         # hoist_reads``, design note "loop reads under XLA").
-        xla_loop_copies = (loop and ordering.xla_in_effect(op.graph)
-                           and not hoistable_reads(op))
+        xla_loop = loop and ordering.xla_in_effect(op.graph)
+        hoisted = frozenset(read for reads in hoistable_reads(op).values() for read in reads
+                            ) if xla_loop else frozenset()
         bodies = [_body_facts(g, body_outputs(op, g), gradient_facts, loop,
-                              xla_conditional or xla_loop_copies)
+                              xla_conditional or xla_loop, hoisted)
                   for g in graphs]
     except (ValueError, TypeError, AttributeError) as e:  # a body we cannot model
         _LOG.debug("memsave_grads: cannot model the body of %s: %s", op.name, e)

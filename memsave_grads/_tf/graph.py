@@ -437,6 +437,10 @@ def topological(ops: Iterable[tf.Operation]) -> list[tf.Operation]:
     position = {op: i for i, op in enumerate(ordered)}
     if all(position.get(t.op, -1) < i for i, op in enumerate(ordered) for t in op.inputs):
         return ordered
+    if any(op.type in op_types.V1_CONTROL_FLOW_OP_TYPES for op in ordered):
+        # A TF1 while loop's back edge (NextIteration -> Merge) is a cycle: no data-edge
+        # order exists, and its ops are handled as TF1 control flow (never replayed).
+        return ordered
     waiting = [sum(1 for t in op.inputs if t.op in position) for op in ordered]
     consumers: dict = {}
     for i, op in enumerate(ordered):
@@ -453,6 +457,8 @@ def topological(ops: Iterable[tf.Operation]) -> list[tf.Operation]:
             waiting[j] -= 1
             if not waiting[j]:
                 heapq.heappush(ready, j)
+    if len(out) != len(ordered):  # a cycle: not a graph TensorFlow would run
+        raise ValueError(f"{len(ordered) - len(out)} ops of the region form a cycle")
     return out
 
 

@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import control_flow_v2_func_graphs
 
@@ -43,6 +44,8 @@ RECOMPUTED_LOOP_FRACTION = 0.9
 MAX_UNROLL = 64
 MAX_UNROLLED_OPS = 20_000
 _RECOMPUTED_ATTR = "_memsave_recomputed_body"
+#: On a loop whose reads were hoisted: {input position of a hoisted value: its handle's}.
+_HOISTED_ATTR = "_memsave_hoisted_reads"
 _counter = itertools.count()
 
 
@@ -79,7 +82,8 @@ def eligible(op: tf.Operation) -> bool:
     if not graphs:
         return False
     if ordering.xla_in_effect(op.graph):
-        hoisted = {read for _, read in function_ops.hoistable_reads(op)}
+        hoisted = {read for reads in function_ops.hoistable_reads(op).values()
+                   for read in reads}
         if any(o.type in op_types.VARIABLE_READ_OP_TYPES and o not in hoisted
                for o in graphs[0].get_operations()):
             return False
@@ -172,7 +176,7 @@ def chosen(region: Iterable[tf.Operation]) -> dict:
 def hoist_reads(region: Iterable[tf.Operation]) -> int:
     """Under XLA, read each variable a loop of ``region`` reads whole once before the loop,
     and pass its value in as a loop invariant (design note "loop reads under XLA"); the loop
-    computes the same values. Returns the reads hoisted.
+    computes the same values. Returns the variables whose reads were hoisted.
 
     A variable read in a while_v2 body is an intermediate of every iteration, and the loop's
     gradient pushes every intermediate it reads onto an accumulator: outside XLA the pushed
@@ -183,36 +187,30 @@ def hoist_reads(region: Iterable[tf.Operation]) -> int:
     for op in region:
         if op.type in op_types.WHILE_OP_TYPES and ordering.xla_in_effect(op.graph):
             reads = function_ops.hoistable_reads(op)
-            if reads and _no_write_since(op, reads):
+            if reads:
                 _hoist(op, reads)
                 hoisted += len(reads)
     return hoisted
 
 
-def _no_write_since(op: tf.Operation, reads) -> bool:
-    """No op made after loop ``op`` (before the gradient that hoists its reads) writes a
-    variable it reads: the hoisted read, made now, must see the value the loop saw."""
-    since = tf_graph.creation_index(op)
-    return all(tf_graph.creation_index(user) < since or user is op
-               or user.type in op_types.HANDLE_GRADIENT_READ_OP_TYPES
-               for i, _ in reads for user in op.inputs[i].consumers())
-
-
-def _hoist(op: tf.Operation, reads) -> None:
+def _hoist(op: tf.Operation, reads: dict) -> None:
     (body,) = function_ops.body_graphs(op)
     cond = function_ops.cond_graph(op)
-    outputs = function_ops.body_outputs(op, body)
-    with op.graph.as_default(), op.graph.control_dependencies(op.control_inputs):
-        # The loop's own control inputs: the read sees the state the loop's reads saw.
-        values = [tf.raw_ops.ReadVariableOp(resource=op.inputs[i], dtype=read.get_attr("dtype"),
+    positions = sorted(reads)
+    # The read waits for what the loop waits for: its control inputs and the ops of its
+    # inputs (tf.control_dependencies around a tf.while_loop lands on its initial values).
+    waits = list(op.control_inputs) + [t.op for t in op.inputs if t.dtype != tf.resource]
+    with op.graph.as_default(), op.graph.control_dependencies(waits):
+        values = [tf.raw_ops.ReadVariableOp(resource=op.inputs[i],
+                                            dtype=reads[i][0].get_attr("dtype"),
                                             name=f"{op.name}_hoisted_read")
-                  for i, read in reads]
-    for value, (_, read) in zip(values, reads):
-        value.set_shape(read.outputs[0].shape)
-    read_ops = {read for _, read in reads}
+                  for i in positions]
+    for value, i in zip(values, positions):
+        value.set_shape(reads[i][0].outputs[0].shape)
 
-    def rebuilt(graph, name, graph_class, outputs_of):
+    def rebuilt(graph, graph_class, outputs_of, is_body):
         inputs = {t.ref() for t in graph.inputs}
+        read_ops = {read for i in positions for read in reads[i]} if is_body else set()
         ops = [o for o in graph.get_operations() if o not in read_ops
                and (o.type not in op_types.FEED_OP_TYPES or o.outputs[0].ref() not in inputs)]
 
@@ -220,7 +218,9 @@ def _hoist(op: tf.Operation, reads) -> None:
             extra = [tf.compat.v1.placeholder(v.dtype, v.shape, name="hoisted_read")
                      for v in values]
             replacements = {t.ref(): p for t, p in zip(graph.inputs, placeholders)}
-            replacements.update((read.outputs[0].ref(), p) for (_, read), p in zip(reads, extra))
+            replacements.update((read.outputs[0].ref(), value)
+                                for i, value in zip(positions, extra)
+                                for read in (reads[i] if is_body else ()))
             copies = rewrite.copy_ops(ops, "", [], replacements,
                                       graph=tf.compat.v1.get_default_graph())
             placeholders.extend(extra)  # the rebuilt graph's inputs: the loop's, then these
@@ -229,17 +229,16 @@ def _hoist(op: tf.Operation, reads) -> None:
                 return (copies[t.op].outputs[t.value_index] if t.op in copies
                         else replacements.get(t.ref(), t))
 
-            return ([mapping(t) for t in outputs_of] + outputs_for(extra),
+            return ([mapping(t) for t in outputs_of] + (extra if is_body else []),
                     [copies[o] for o in graph.control_outputs if o in copies])
 
-        outputs_for = (lambda extra: extra) if graph is body else (lambda extra: [])
-        return exposure.rebuilt_function_graph(graph, f"{graph.name}_{name}{next(_counter)}",
+        return exposure.rebuilt_function_graph(graph, f"{graph.name}_hoisted{next(_counter)}",
                                                op.graph, build, graph_class=graph_class)
 
-    new_body = rebuilt(body, "hoisted", control_flow_v2_func_graphs.WhileBodyFuncGraph,
-                       outputs)
-    new_cond = rebuilt(cond, "hoisted", control_flow_v2_func_graphs.WhileCondFuncGraph,
-                       cond.outputs)
+    new_body = rebuilt(body, control_flow_v2_func_graphs.WhileBodyFuncGraph,
+                       function_ops.body_outputs(op, body), True)
+    new_cond = rebuilt(cond, control_flow_v2_func_graphs.WhileCondFuncGraph, cond.outputs,
+                       False)
     # As while_v2 adds its accumulators to a loop whose gradient it builds.
     op._set_func_attr("body", control_flow_util_v2.create_new_tf_function(new_body))  # pylint: disable=protected-access
     op._set_func_attr("cond", control_flow_util_v2.create_new_tf_function(new_cond))  # pylint: disable=protected-access
@@ -249,8 +248,50 @@ def _hoist(op: tf.Operation, reads) -> None:
     op._add_outputs([v.dtype for v in values], [v.shape for v in values])  # pylint: disable=protected-access
     op._set_attr("_num_original_outputs", attr_value_pb2.AttrValue(i=len(op.outputs)))  # pylint: disable=protected-access
     op._body_graph, op._cond_graph = new_body, new_cond  # pylint: disable=protected-access
-    _LOG.debug("memsave_grads: %d variable read(s) of loop %s run once before it (XLA)",
+    first = len(op.inputs) - len(values)
+    setattr(op, _HOISTED_ATTR, {first + n: i for n, i in enumerate(positions)})
+    _ensure_while_gradient_wrapped()
+    _LOG.debug("memsave_grads: %d variable(s) loop %s reads are read once before it (XLA)",
                len(values), op.name)
+
+
+def _ensure_while_gradient_wrapped() -> None:
+    """Wrap TensorFlow's registered gradient of while ops (once; nothing at import time) for
+    the loops whose reads were hoisted after a ``tf.GradientTape`` recorded them.
+
+    A tape differentiates an op as it was recorded: a stand-in with the recorded inputs (the
+    loop's, before :func:`_hoist` added the read values), whose gradient function reads the
+    real op's bodies. The gradients of the hoisted values, which are the variables'
+    gradients, would be dropped there, and the tape would see zeros. The wrapper
+    differentiates the loop as it is now and adds each hoisted value's gradient to its
+    handle's, as the read in the body sent it before. Other ops: TensorFlow's gradient."""
+    for op_type in op_types.WHILE_OP_TYPES:
+        entry = tf_ops._gradient_registry._registry.get(op_type)  # pylint: disable=protected-access
+        if entry is None or getattr(entry["type"], "_memsave_original", None) is not None:
+            continue
+        original = entry["type"]
+
+        def gradient(op, *grads, original=original):
+            loop = op.outputs[0].op
+            hoisted = getattr(loop, _HOISTED_ATTR, None)
+            if not hoisted or len(op.inputs) >= len(loop.inputs):
+                return original(op, *grads)
+            padded = list(grads) + [None] * (len(loop.outputs) - len(grads))
+            for value_position in hoisted:
+                # Unused outputs: zeros, as tf.gradients gives them, so that while_v2
+                # differentiates the body with respect to the hoisted value too.
+                padded[value_position] = tf.zeros_like(loop.outputs[value_position])
+            result = list(original(loop, *padded))
+            for value_position, handle_position in hoisted.items():
+                value_grad = result[value_position]
+                if value_grad is not None:
+                    handle_grad = result[handle_position]
+                    result[handle_position] = (value_grad if handle_grad is None
+                                               else handle_grad + value_grad)
+            return result[:len(op.inputs)]
+
+        gradient._memsave_original = original  # pylint: disable=protected-access
+        entry["type"] = gradient
 
 
 def recompute_bodies(plans: dict) -> None:
