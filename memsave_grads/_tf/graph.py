@@ -12,6 +12,7 @@ import collections
 import contextlib
 import contextvars
 import heapq
+import weakref
 from typing import Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
 
 import tensorflow as tf
@@ -428,19 +429,25 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
     return topological((op for op in upstream if op not in stop_ops))
 
 
+#: Ops made after an op that reads them (a while loop's hoisted reads, ``_tf.loops``):
+#: wherever one is among them, creation order is no topological order of ops.
+_MADE_AFTER_A_CONSUMER: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def made_after_a_consumer(op: tf.Operation) -> None:
+    """Record that ``op`` was given as an input to an op made before it (:func:`topological`)."""
+    _MADE_AFTER_A_CONSUMER.add(op)
+
+
 def topological(ops: Iterable[tf.Operation]) -> list[tf.Operation]:
-    """``ops`` in creation order, which is a topological order of their data edges unless an
-    op was given an input made after it: a while loop's hoisted reads (``_tf.loops.
-    hoist_reads``), as while_v2's own accumulators are. Then the earliest-created op whose
-    inputs among ``ops`` are all placed comes next."""
+    """``ops`` in creation order, which is a topological order of their data edges unless one
+    of them was given as an input to an op made before it (:func:`made_after_a_consumer`: a
+    while loop's hoisted reads, as while_v2's own accumulators are). Then the earliest-created
+    op whose inputs among ``ops`` are all placed comes next."""
     ordered = sorted(ops, key=creation_index)
+    if not any(op in _MADE_AFTER_A_CONSUMER for op in ordered):
+        return ordered
     position = {op: i for i, op in enumerate(ordered)}
-    if all(position.get(t.op, -1) < i for i, op in enumerate(ordered) for t in op.inputs):
-        return ordered
-    if any(op.type in op_types.V1_CONTROL_FLOW_OP_TYPES for op in ordered):
-        # A TF1 while loop's back edge (NextIteration -> Merge) is a cycle: no data-edge
-        # order exists, and its ops are handled as TF1 control flow (never replayed).
-        return ordered
     waiting = [sum(1 for t in op.inputs if t.op in position) for op in ordered]
     consumers: dict = {}
     for i, op in enumerate(ordered):
@@ -457,8 +464,8 @@ def topological(ops: Iterable[tf.Operation]) -> list[tf.Operation]:
             waiting[j] -= 1
             if not waiting[j]:
                 heapq.heappush(ready, j)
-    if len(out) != len(ordered):  # a cycle: not a graph TensorFlow would run
-        raise ValueError(f"{len(ordered) - len(out)} ops of the region form a cycle")
+    if len(out) != len(ordered):  # a cycle: TF1 control flow, not of while_v2's making
+        return ordered
     return out
 
 

@@ -207,6 +207,7 @@ def _hoist(op: tf.Operation, reads: dict) -> None:
                   for i in positions]
     for value, i in zip(values, positions):
         value.set_shape(reads[i][0].outputs[0].shape)
+        tf_graph.made_after_a_consumer(value.op)
 
     def rebuilt(graph, graph_class, outputs_of, is_body):
         inputs = {t.ref() for t in graph.inputs}
