@@ -354,13 +354,14 @@ def test_a_loop_keeps_every_iteration():
 
 @pytest.mark.parametrize("loop,count,counted", [
     ("scan", 7, True), ("bounded", 3, False), ("data_dependent", None, False),
-    ("shrinking_limit", 10, False), ("float_counter", 3, False)])
+    ("shrinking_limit", 10, False), ("float_counter", 3, False), ("bound_by_a_max", 7, True)])
 def test_trip_counts(loop, count, counted):
     """A scan's length; a data-dependent condition bounded by ``maximum_iterations`` (not
     exact: it may stop earlier); no bound at all. ``i < n`` where the body lowers ``n`` (5
     iterations of at most 10) and a float counter (0.1 added three times is not 0.3: 3
     iterations where the arithmetic in float64 says 4) are not counting conditions: an
-    unrolled body would run the wrong number of iterations."""
+    unrolled body would run the wrong number of iterations. A bound that is the ``Max`` of
+    constants (Keras 3's recurrent loops) is read as a constant."""
     def build():
         h, w = _inputs()
         if loop == "scan":
@@ -370,6 +371,10 @@ def test_trip_counts(loop, count, counted):
                                       lambda i, n, a: (i + 1, n - 1, a * 2.0),
                                       [tf.constant(0), tf.constant(10), h],
                                       maximum_iterations=10)
+        elif loop == "bound_by_a_max":  # Keras 3's recurrent loops: max(time steps)
+            _, out = tf.while_loop(lambda i, a: i < 7, lambda i, a: (i + 1, a * 2.0),
+                                   [tf.constant(0), h],
+                                   maximum_iterations=tf.reduce_max(tf.constant([7, 7])))
         elif loop == "float_counter":
             _, out = tf.while_loop(lambda t, a: t < 0.3, lambda t, a: (t + 0.1, a * 2.0),
                                    [tf.constant(0.0), h], maximum_iterations=3)

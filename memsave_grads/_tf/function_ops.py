@@ -31,6 +31,7 @@ import re
 import weakref
 from typing import Callable, Sequence
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import function_def_to_graph
 from tensorflow.python.ops import control_flow_util_v2
@@ -397,7 +398,7 @@ def trip_count(op: tf.Operation, body, cond) -> tuple[int | None, bool]:
         # The bound must come from the loop's own variables: while_v2's iteration counter
         # (position 0) counts the body's runs, which a rewritten body may change.
         return count, any(n == count and i != WHILE_COUNTER_POSITION for n, i in leaves)
-    bound = tf.get_static_value(op.inputs[1]) if len(op.inputs) > 1 else None
+    bound = _static_value(op.inputs[1]) if len(op.inputs) > 1 else None
     counts = [n for n, _ in leaves] + ([int(bound)] if bound is not None and int(bound) >= 0
                                        else [])
     return (min(counts) if counts else None), False
@@ -437,7 +438,27 @@ def _static_value_in(t, positions, op, outputs):
     body_input = outputs[i].graph.inputs[i]
     if _passes_through(outputs[i]).ref() != body_input.ref():
         return None
-    return tf.get_static_value(op.inputs[i])
+    return _static_value(op.inputs[i])
+
+
+def _static_value(t: tf.Tensor):
+    """``tf.get_static_value(t)``, which also folds a ``Max``/``Min`` of constants: Keras 3
+    bounds its recurrent loops by ``maximum_iterations=max(time steps)``, a reduction of a
+    constant over constant axes."""
+    value = tf.get_static_value(t)
+    if value is not None or t.op.type not in ("Max", "Min"):
+        return value
+    data, axes = (tf.get_static_value(u) for u in t.op.inputs)
+    if data is None or axes is None:
+        return None
+    data = np.asarray(data)
+    axes = tuple(int(a) % data.ndim for a in np.atleast_1d(axes)) if data.ndim else ()
+    if not axes:
+        return data
+    if any(data.shape[a] == 0 for a in axes):
+        return None
+    reduce = np.max if t.op.type == "Max" else np.min
+    return reduce(data, axis=axes, keepdims=t.op.get_attr("keep_dims"))
 
 
 def _constant_step(outputs, i: int):
