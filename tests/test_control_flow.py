@@ -354,14 +354,17 @@ def test_a_loop_keeps_every_iteration():
 
 @pytest.mark.parametrize("loop,count,counted", [
     ("scan", 7, True), ("bounded", 3, False), ("data_dependent", None, False),
-    ("shrinking_limit", 10, False), ("float_counter", 3, False), ("bound_by_a_max", 7, True)])
+    ("shrinking_limit", 10, False), ("float_counter", 3, False), ("bound_by_a_max", 7, True),
+    ("int64_past_2_53", 7, True), ("wrapping_counter", 10, False)])
 def test_trip_counts(loop, count, counted):
     """A scan's length; a data-dependent condition bounded by ``maximum_iterations`` (not
     exact: it may stop earlier); no bound at all. ``i < n`` where the body lowers ``n`` (5
     iterations of at most 10) and a float counter (0.1 added three times is not 0.3: 3
     iterations where the arithmetic in float64 says 4) are not counting conditions: an
     unrolled body would run the wrong number of iterations. A bound that is the ``Max`` of
-    constants (Keras 3's recurrent loops) is read as a constant."""
+    constants (Keras 3's recurrent loops) is read as a constant. Counts are integers (an
+    int64 counter past 2**53 counted 8 for 7 in float64), and a counter that would wrap past
+    its type's range to end the loop counts nothing."""
     def build():
         h, w = _inputs()
         if loop == "scan":
@@ -375,6 +378,15 @@ def test_trip_counts(loop, count, counted):
             _, out = tf.while_loop(lambda i, a: i < 7, lambda i, a: (i + 1, a * 2.0),
                                    [tf.constant(0), h],
                                    maximum_iterations=tf.reduce_max(tf.constant([7, 7])))
+        elif loop == "int64_past_2_53":  # counted in integers: in float64 it was 8
+            start = tf.constant(2**53, tf.int64)
+            _, out = tf.while_loop(lambda i, a: i < tf.constant(2**53 + 7, tf.int64),
+                                   lambda i, a: (i + 1, a * 2.0), [start, h])
+        elif loop == "wrapping_counter":  # i <= INT32_MAX: the counter wraps, never ends it
+            start = tf.constant(2**31 - 8, tf.int32)
+            _, out = tf.while_loop(lambda i, a: i <= tf.constant(2**31 - 1, tf.int32),
+                                   lambda i, a: (i + 1, a * 2.0), [start, h],
+                                   maximum_iterations=10)
         elif loop == "float_counter":
             _, out = tf.while_loop(lambda t, a: t < 0.3, lambda t, a: (t + 0.1, a * 2.0),
                                    [tf.constant(0.0), h], maximum_iterations=3)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import re
 import weakref
 from typing import Callable, Sequence
@@ -421,8 +420,14 @@ def _counting_condition(op, t, cond, outputs) -> tuple[int, int] | None:
     step = _constant_step(outputs, i)
     if limit_value is None or start is None or step is None or step <= 0:
         return None
-    span = float(limit_value) - float(start) + (1 if t.op.type == "LessEqual" else 0)
-    return max(0, math.ceil(span / float(step))), i
+    # In integers (a float loses int64 counts past 2**53), and only where the counter's last
+    # value, the one that ends the loop, is in its type's range (past it, it wraps around).
+    start, step = int(start), int(step)
+    span = int(limit_value) - start + (1 if t.op.type == "LessEqual" else 0)
+    count = max(0, -(-span // step))
+    if start + count * step > var.dtype.max:
+        return None
+    return count, i
 
 
 def _static_value_in(t, positions, op, outputs):
