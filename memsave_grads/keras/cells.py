@@ -64,7 +64,7 @@ def recompute_cells_here(model, flavour: Flavour, recompute_cells: bool) -> bool
     batch 32, T = 600, CPU: stock 747 MiB, recomputed 806 MiB; docs/recurrent.md); there the
     loops are left as Keras builds them, and the plan recomputes their bodies itself, with
     the kernels read once before each loop (``_tf.loops``, design note "loop reads under
-    XLA": 740 -> 22 MiB)."""
+    XLA": 740 -> 45 MiB)."""
     if not recompute_cells or not ordering.xla_in_effect():
         return recompute_cells
     if recurrent_cells(model, flavour) and model not in _LOGGED_XLA_CELLS:
