@@ -460,8 +460,8 @@ def _static_value(t: tf.Tensor):
     axes = tuple(int(a) % data.ndim for a in np.atleast_1d(axes)) if data.ndim else ()
     if not axes:
         return data
-    if any(data.shape[a] == 0 for a in axes):
-        return None
+    if len(set(axes)) != len(axes) or any(data.shape[a] == 0 for a in axes):
+        return None  # TensorFlow's error, at run time; an empty max: no count
     reduce = np.max if t.op.type == "Max" else np.min
     return reduce(data, axis=axes, keepdims=t.op.get_attr("keep_dims"))
 

@@ -71,7 +71,8 @@ def recompute_cells_here(model, flavour: Flavour, recompute_cells: bool) -> bool
         _LOGGED_XLA_CELLS.add(model)
         _LOG.info(
             "memsave_grads.keras: %s's step is compiled by XLA; its recurrent layers' loops "
-            "are recomputed by the plan, not by their cells (docs/recurrent.md).",
+            "are recomputed by the plan, not by their cells (with 'memory' and budgets; "
+            "docs/recurrent.md).",
             getattr(model, "name", model))
     return False
 
