@@ -15,6 +15,7 @@ import tensorflow as tf
 from memsave_grads import _validate
 from memsave_grads import errors
 from memsave_grads._tf import early_release
+from memsave_grads._tf import function_ops
 from memsave_grads._tf import graph as tf_graph
 from memsave_grads._tf import loops
 from memsave_grads._tf import ordering
@@ -276,11 +277,30 @@ def _gradients_checked(ys, xs, grad_ys, checkpoints, fallback: str,
     return _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
 
 
+def _warn_tape_wrapped_once(region) -> None:
+    """Say once per process where TensorFlow wrapped the region's conds or loops in calls for
+    higher-order tape gradients: each is one op to the plan, and the remedy is the caller's
+    (measured in docs/usage.md, "Tapes that TensorFlow wraps")."""
+    wrapped = [op for op in region if function_ops.tape_wrapped(op)]
+    if wrapped:
+        ordering.warn_once(
+            "tape-wrapped control flow",
+            "memsave_grads: TensorFlow wrapped %d tf.cond or tf.while_loop op(s) of this step "
+            "in function calls (%s), as it does while a persistent tf.GradientTape, nested "
+            "tapes or a forward accumulator records them; each is one op to the plan, nothing "
+            "inside it is planned, and a wrapped loop stores a copy of each variable it reads per iteration. Take "
+            "the step's gradient with one non-persistent tape, or call "
+            "memsave_grads.gradients in the tf.function instead of the tapes "
+            "(docs/usage.md, \"Tapes that TensorFlow wraps\").",
+            len(wrapped), ", ".join(op.name for op in wrapped[:3]))
+
+
 def _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: dict) -> Gradients:
     """:func:`gradients` with ``fallback="error"``: the plan through the rewrite, or plain
     gradients where the never-worse rule says so; the strategy's errors raised."""
     plain = _PLAIN_GRADIENTS.get()
     prepared = prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
+    _warn_tape_wrapped_once(prepared.region)
     decision = selection.decide_schedule(prepared.selection, prepared.checkpoints, prepared.plan)
     # The calls the backward pass makes itself (a recomputed loop step's gradients) hold no
     # weight gradients for an optimizer, and compute their own plain gradients, whatever this

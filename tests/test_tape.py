@@ -22,6 +22,7 @@ import tensorflow as tf
 import memsave_grads as mg
 from memsave_grads import api
 from memsave_grads import tape as tape_routing
+from memsave_grads._tf import ordering
 from memsave_grads._tf import tape_record
 # TensorFlow's thread-wide stop, which its own code uses (tf.recompute_grad's forward pass).
 from tensorflow.python.eager import record as tensorflow_record
@@ -724,3 +725,77 @@ def test_patch_without_tapes_leaves_them_to_tensorflow(spy):
         got = tf.function(lambda x: _plain(tf.GradientTape, x))(X)
     assert_same_gradients(got, _run(_plain, None)[0])
     assert not spy
+
+
+# --------------------------------------------------------------------------------------------
+# Control flow that TensorFlow wraps for higher-order tape gradients
+# --------------------------------------------------------------------------------------------
+
+def _blocks_in_conds(h, w, flag):
+    for _ in range(3):
+        h = tf.cond(flag, lambda h=h: h + tf.tanh(h @ w), lambda h=h: h)
+    _, h = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, h + tf.tanh(h @ w)), [0, h])
+    return h
+
+
+def test_control_flow_a_persistent_tape_wraps_is_named_once(monkeypatch, caplog):
+    """A persistent tape makes TensorFlow build each cond and loop in a function call of its
+    own (``cflow_gradient_wrapper``), which the plan cannot look into: one warning per process
+    says so and names the remedy; a non-persistent tape gets none. Gradients as TensorFlow's."""
+    monkeypatch.setattr(ordering, "_warned", set())
+    caplog.set_level(logging.WARNING, logger="memsave_grads")
+    rng = np.random.RandomState(0)
+    x = tf.constant(rng.randn(8, 16))
+    w = tf.Variable(rng.randn(16, 16) * 0.3)
+    flag = tf.constant(True)
+
+    def gradient(persistent):
+        @tf.function
+        def step():
+            with tf.GradientTape(persistent=persistent) as tape:
+                loss = tf.reduce_sum(_blocks_in_conds(x, w, flag) ** 2)
+            return tape.gradient(loss, w)
+        return step()
+
+    expected = gradient(False)
+    with mg.patch("memory"):
+        routed = gradient(False)
+        assert not [m for m in caplog.messages if "cflow_gradient_wrapper" in m
+                    or "wrapped" in m]
+        first, second = gradient(True), gradient(True)
+    warned = [m for m in caplog.messages if "TensorFlow wrapped" in m]
+    assert len(warned) == 1, caplog.messages
+    assert "4 tf.cond or tf.while_loop" in warned[0] and "memsave_grads.gradients" in warned[0]
+    for g in (routed, first, second):
+        np.testing.assert_allclose(g.numpy(), expected.numpy(), rtol=1e-10)
+
+
+def test_a_gradient_penalty_s_inner_gradient_by_memsave_grads_is_exact_to_second_order():
+    """The remedy the warning names, for nested tapes: the inner gradient by
+    ``memsave_grads.gradients`` (it records nothing, so TensorFlow wraps nothing) and the outer
+    tape differentiating it; against TensorFlow's nested tapes, conds and a loop included."""
+    rng = np.random.RandomState(1)
+    x = tf.constant(rng.randn(8, 16))
+    w = tf.Variable(rng.randn(16, 16) * 0.3)
+    flag = tf.constant(True)
+
+    def penalty(inner):
+        @tf.function
+        def step():
+            with tf.GradientTape() as outer:
+                if inner == "tape":
+                    with tf.GradientTape() as tape:
+                        tape.watch(x)
+                        y = tf.reduce_sum(_blocks_in_conds(x, w, flag) ** 2)
+                    gx = tape.gradient(y, x)
+                else:
+                    y = tf.reduce_sum(_blocks_in_conds(x, w, flag) ** 2)
+                    (gx,) = mg.gradients(y, [x], checkpoints="memory")
+                p = tf.reduce_sum(gx ** 2)
+            return outer.gradient(p, w)
+        return step()
+
+    expected = penalty("tape")
+    with mg.patch("memory"):
+        ours = penalty("memsave_grads")
+    np.testing.assert_allclose(ours.numpy(), expected.numpy(), rtol=1e-10)

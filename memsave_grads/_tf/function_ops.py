@@ -116,6 +116,25 @@ def is_function_op(op: tf.Operation) -> bool:
             or op.type in op_types.CASE_OP_TYPES or op.type in op_types.WHILE_OP_TYPES)
 
 
+#: What TensorFlow names the function it wraps a cond or a loop in where a tape may take
+#: higher-order gradients of it (``control_flow_util_v2.run_as_function_for_tape_gradients``).
+_TAPE_WRAPPER_NAME = "cflow_gradient_wrapper"
+
+
+def tape_wrapped(op: tf.Operation) -> bool:
+    """A function call TensorFlow made around a ``tf.cond`` or ``tf.while_loop`` because a
+    persistent tape, nested tapes or a forward accumulator was recording it: the call's
+    gradient is TensorFlow's function gradient, which stores what its body's gradient reads
+    (a loop: a copy of each variable the body reads, per iteration), and the plan treats it as
+    one op (docs/usage.md, "Tapes that TensorFlow wraps")."""
+    if op.type not in op_types.FUNCTION_CALL_OP_TYPES:
+        return False
+    try:
+        return _TAPE_WRAPPER_NAME in op.get_attr("f").name
+    except (ValueError, AttributeError):
+        return False
+
+
 def _function_graph(op: tf.Operation, attr_value, input_shapes, cached: str | None):
     """The FuncGraph of one function attribute of ``op``: the graph cond_v2/while_v2 cached on
     the op, or the one ``tf.function`` traced, else one rebuilt from the function library."""
