@@ -282,17 +282,22 @@ def _warn_tape_wrapped_once(region) -> None:
     higher-order tape gradients: each is one op to the plan, and the remedy is the caller's
     (measured in docs/usage.md, "Tapes that TensorFlow wraps")."""
     wrapped = [op for op in region if function_ops.tape_wrapped(op)]
-    if wrapped:
-        ordering.warn_once(
-            "tape-wrapped control flow",
-            "memsave_grads: TensorFlow wrapped %d tf.cond or tf.while_loop op(s) of this step "
-            "in function calls (%s), as it does while a persistent tf.GradientTape, nested "
-            "tapes or a forward accumulator records them; each is one op to the plan, nothing "
-            "inside it is planned, and a wrapped loop stores a copy of each variable it reads per iteration. Take "
-            "the step's gradient with one non-persistent tape, or call "
-            "memsave_grads.gradients in the tf.function instead of the tapes "
-            "(docs/usage.md, \"Tapes that TensorFlow wraps\").",
-            len(wrapped), ", ".join(op.name for op in wrapped[:3]))
+    if not wrapped:
+        return
+    loops_inside = any(inner.type in op_types.WHILE_OP_TYPES
+                       for op in wrapped for body in function_ops.body_graphs(op) or ()
+                       for inner in body.get_operations())
+    ordering.warn_once(
+        "tape-wrapped control flow",
+        "memsave_grads: TensorFlow wrapped %d control-flow op(s) of this step (tf.cond, "
+        "tf.case, tf.while_loop) in function calls (%s), as it does while a persistent "
+        "tf.GradientTape or two tapes at once record them; each call is one op to the plan, "
+        "nothing inside it is planned%s. Take the step's gradient with one non-persistent "
+        "tape, or call memsave_grads.gradients in the tf.function with no persistent tape "
+        "recording the forward pass (docs/usage.md, \"Tapes that TensorFlow wraps\").",
+        len(wrapped), ", ".join(op.name for op in wrapped[:3]),
+        ", and TensorFlow's gradient of a wrapped loop stores a copy of each variable it "
+        "reads per iteration" if loops_inside else "")
 
 
 def _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: dict) -> Gradients:

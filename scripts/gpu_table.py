@@ -13,16 +13,19 @@ runs alone, for times: the demo, each compilation's step times in turns, and the
 Each result is one JSON line on stdout and in ``$OUT/results.jsonl`` (``$OUT`` or /tmp/out), as
 it comes, so a run cut short keeps what it measured.
 
-Every process takes its GPU memory as one region of ``REGION_MIB`` (a logical device, as
-fit-limit's tries do). With ``TF_FORCE_GPU_ALLOW_GROWTH`` instead, the allocator grows by
-regions that double, and XLA's one temporary buffer takes a whole region: every ``jit_compile``
-peak read as a power of two (256.0, 128.0, 64.0 MiB on 2026-11-28).
+Every process takes its GPU memory as one region (a logical device, as fit-limit's tries do)
+of at most ``REGION_MIB``, and less where the processes at once would not fit in the GPU's
+memory together (a region is reserved whole at the first allocation). With
+``TF_FORCE_GPU_ALLOW_GROWTH`` instead (removed from the environment here), the allocator grows
+by regions that double, and XLA's one temporary buffer took a whole region: every
+``jit_compile`` peak read as a power of two (256.0, 128.0, 64.0 MiB on 2026-11-28).
 
-Variants (``--variants``; times and peaks under ``jit_compile``, against the default): XLA's GPU
-runtime reads a conditional's predicate back to the host and waits for the stream
-(``ConditionalThunk``), so each of the rewrite's conditionals (note "memory under XLA", one per
-kept sum and incoming gradient) drains the GPU once per step: 111 of them in the Transformer's
-step, which ran 1.75x tf.gradients' time on an H200 where RematScope ran 1.12x. ``per_level``
+Variants (left out with ``--no-variants``; times and peaks under ``jit_compile``, against the
+default): XLA's GPU runtime reads a conditional's predicate back to the host and waits for the
+stream before it runs a branch (``ConditionalThunk``, read in XLA's source, not profiled), so
+each of the rewrite's conditionals (note "memory under XLA", one per kept sum and incoming
+gradient) may drain the GPU once per step: 111 of them in the Transformer's step, which ran
+1.75x tf.gradients' time on an H200 where RematScope ran 1.12x. ``per_level``
 passes a level's tensors through one conditional (its outputs' ``None`` gradients are not kept:
 for measuring only), ``barrier`` through one ``XlaOptimizationBarrier`` (which XLA's GPU
 compiler keeps until after scheduling, where its CPU compiler removes it before fusion: no host
@@ -41,6 +44,8 @@ import sys
 import time
 
 REGION_MIB = 12000
+#: The share of the GPU's memory the processes at once may reserve together.
+GPU_SHARE = 0.85
 RESULT = "GPU_TABLE_RESULT "
 VARIANTS = ("per_tensor", "per_level", "barrier", "none")
 
@@ -49,12 +54,23 @@ VARIANTS = ("per_tensor", "per_level", "barrier", "none")
 # The child: one cell in a fresh process
 # --------------------------------------------------------------------------------------------
 
-def _one_region() -> None:
+def _one_region(region_mib: int) -> None:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         tf.config.set_logical_device_configuration(
-            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=REGION_MIB)])
+            gpus[0], [tf.config.LogicalDeviceConfiguration(memory_limit=region_mib)])
+
+
+def _region_mib(workers: int) -> int:
+    """``REGION_MIB``, or less where ``workers`` regions would not fit in the GPU together."""
+    try:
+        total = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                                "--format=csv,noheader,nounits"], capture_output=True,
+                               text=True, check=True, timeout=30).stdout.split()[0]
+        return min(REGION_MIB, int(GPU_SHARE * int(total) / max(1, workers)))
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return REGION_MIB
 
 
 @contextlib.contextmanager
@@ -89,7 +105,7 @@ def _variant(name: str):
 
 
 def _cell(request: dict) -> dict:
-    _one_region()
+    _one_region(request["region_mib"])
     from memsave_grads.bench import xla  # pylint: disable=import-outside-toplevel
     from memsave_grads import measure  # pylint: disable=import-outside-toplevel
     spec = request["spec"]
@@ -116,14 +132,16 @@ def _cell(request: dict) -> dict:
 # --------------------------------------------------------------------------------------------
 
 class Run:
-    def __init__(self, seconds: float, quick: bool):
+    def __init__(self, seconds: float, quick: bool, workers: int = 1):
         self.start = time.time()
+        self.region_mib = _region_mib(workers)
         self.deadline = self.start + seconds
         self.quick = quick
         self.out = os.environ.get("OUT") or "/tmp/out"
         os.makedirs(self.out, exist_ok=True)
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+        os.environ.pop("TF_FORCE_GPU_ALLOW_GROWTH", None)  # one region a process: see above
         # The driver compiles TensorFlow's kernels for the GPU on first use (about a minute):
         # a cache large enough keeps them for the next processes; XLA's autotuning likewise.
         os.environ.setdefault("CUDA_CACHE_MAXSIZE", str(4 << 30))
@@ -141,6 +159,7 @@ class Run:
             f.write(line + "\n")
 
     def child(self, request: dict) -> dict:
+        request = dict(request, region_mib=self.region_mib)
         try:
             proc = subprocess.run([sys.executable, __file__, "cell", json.dumps(request)],
                                   capture_output=True, text=True, check=False,
@@ -181,7 +200,7 @@ class Run:
     def keras(self, source, method, batch) -> None:
         from memsave_grads import fit_limit  # pylint: disable=import-outside-toplevel
         t = time.time()
-        a = fit_limit.attempt(source, method, batch, 30000, steps=3,
+        a = fit_limit.attempt(source, method, batch, self.region_mib, steps=3,
                               timeout_s=max(30.0, self.left() - 30))
         mib = lambda b: None if b is None else b / 2**20  # noqa: E731
         self.emit({"cell": "keras_peak", "model": f"{source.split(':')[1]} b{batch}",
@@ -209,18 +228,21 @@ class Run:
         models = "memsave_grads.bench.fit_limit_models:"
         keras = [(models + "resnet50", 8 if self.quick else 256),
                  (models + "transformer_encoder", 4 if self.quick else 128)]
-        with cf.ThreadPoolExecutor(max_workers=workers) as pool:
-            jobs = [pool.submit(self.keras, source, method, batch)
-                    for source, batch in keras for method in (fit_limit.PLAIN, "memory")]
-            jobs += [pool.submit(self.peak, *spec, method, jit)
-                     for jit in (True, False) for spec in specs for method in xla.METHODS]
-            if variants:
-                jobs += [pool.submit(self.peak, *spec, xla.MEMORY, True, variant)
-                         for spec in specs for variant in VARIANTS[1:]]
-            done, pending = cf.wait(jobs, timeout=0.6 * self.left())
-            self.emit({"cell": "peaks", "done": len(done), "pending": len(pending)})
-            if pending:
-                return
+        self.emit({"cell": "regions", "mib": self.region_mib, "workers": workers})
+        pool = cf.ThreadPoolExecutor(max_workers=workers)
+        jobs = [pool.submit(self.keras, source, method, batch)
+                for source, batch in keras for method in (fit_limit.PLAIN, "memory")]
+        jobs += [pool.submit(self.peak, *spec, method, jit)
+                 for jit in (True, False) for spec in specs for method in xla.METHODS]
+        if variants:
+            jobs += [pool.submit(self.peak, *spec, xla.MEMORY, True, variant)
+                     for spec in specs for variant in VARIANTS[1:]]
+        done, pending = cf.wait(jobs, timeout=0.6 * self.left())
+        self.emit({"cell": "peaks", "done": len(done), "pending": len(pending)})
+        pool.shutdown(wait=not pending, cancel_futures=True)
+        if pending:  # the times need the GPU alone: what still runs would disturb them
+            self.emit({"cell": "end", "left_s": round(self.left(), 1)})
+            return
         quick = " --depth 8 --width 64 --batch 8" if self.quick else ""
         self.shell("demo", f"{sys.executable} -m memsave_grads demo --repeats 5{quick}",
                    min(150.0, self.left() - 20))
@@ -249,7 +271,7 @@ def main(argv=None) -> None:
     if args.command == "cell":
         print(RESULT + json.dumps(_cell(json.loads(args.request))), flush=True)
         return
-    Run(args.seconds, args.quick).main(args.workers, args.variants)
+    Run(args.seconds, args.quick, args.workers).main(args.workers, args.variants)
     sys.stdout.flush()
     os._exit(0)  # pylint: disable=protected-access  # what still runs ends with the command
 
