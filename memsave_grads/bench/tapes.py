@@ -7,7 +7,12 @@ Two programs as TF2 users write them, each cell measured in a fresh process
   (``h = h + Dense(width, gelu)(h)``): as written, under ``memsave_grads.patch()``, and with
   ``memsave_grads.GradientTape``;
 - a Keras 3 model whose own ``train_step`` takes a ``tf.GradientTape`` gradient, trained with
-  ``fit``: stock, and under ``memsave_grads.wrap_model``.
+  ``fit``: stock, and under ``memsave_grads.wrap_model``;
+- a Keras 3 ``LSTM`` (a ``tf.while_loop``) trained in a ``tf.function`` loop under a
+  *persistent* tape, which TensorFlow answers by wrapping the loop in a function call
+  (docs/usage.md, "Tapes that TensorFlow wraps"): as written, under ``patch()`` (nothing
+  saved: the limitation, measured), and with a non-persistent tape instead, as written and
+  under ``patch()`` (the remedy). Its sizes are fixed (:data:`LSTM_SHAPE`).
 
 Each trains 3 steps from the same initial weights; the table gives the largest step peak after
 the first (which traces and builds the optimizer), the ratio to the unrouted peak, and the
@@ -22,6 +27,7 @@ import argparse
 import os
 import sys
 import tempfile
+from typing import Sequence
 
 from memsave_grads import _child as child
 
@@ -31,7 +37,13 @@ STEPS = 3
 #: (program, way) cells, the unrouted way of each program first.
 CELLS = (("tape loop", "tf.GradientTape"), ("tape loop", "patch()"),
          ("tape loop", "memsave_grads.GradientTape"),
-         ("own train_step", "stock fit"), ("own train_step", "wrap_model"))
+         ("own train_step", "stock fit"), ("own train_step", "wrap_model"),
+         ("LSTM under a persistent tape", "tf.GradientTape"), ("LSTM under a persistent tape", "patch()"),
+         ("LSTM under a persistent tape", "one non-persistent tape"),
+         ("LSTM under a persistent tape", "patch(), one non-persistent tape"))
+
+#: The LSTM program's (time steps, features, units, batch).
+LSTM_SHAPE = (200, 64, 256, 32)
 
 
 def _model(keras, blocks: int, width: int, own_step: bool, activation: str = "gelu"):
@@ -66,6 +78,17 @@ def _data(width: int, batch: int):
             rng.randn(STEPS * batch, 1).astype("float32"))
 
 
+def _lstm_model_and_data(keras):
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    steps, features, units, batch = LSTM_SHAPE
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((steps, features)), keras.layers.LSTM(units),
+                              keras.layers.Dense(1)])
+    rng = np.random.RandomState(0)
+    return model, batch, (rng.randn(STEPS * batch, steps, features).astype("float32"),
+                          rng.randn(STEPS * batch, 1).astype("float32"))
+
+
 def _measure_here(request: dict) -> dict:
     """In the child: train one cell, return its step peaks and losses, save its weights."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -77,16 +100,21 @@ def _measure_here(request: dict) -> dict:
 
     program, way = request["program"], request["way"]
     blocks, width, batch = request["blocks"], request["width"], request["batch"]
-    x, y = _data(width, batch)
-    model = _model(keras, blocks, width, own_step=program == "own train_step",
-                   activation=request.get("activation", "gelu"))
+    if program == "LSTM under a persistent tape":
+        model, batch, (x, y) = _lstm_model_and_data(keras)
+    else:
+        x, y = _data(width, batch)
+        model = _model(keras, blocks, width, own_step=program == "own train_step",
+                       activation=request.get("activation", "gelu"))
     optimizer = keras.optimizers.SGD(0.01)
     peaks, losses = [], []
     measure.check_allocator_stats()
-    if program == "tape loop":
+    if program in ("tape loop", "LSTM under a persistent tape"):
         tape_class = tf.GradientTape
         if way == "memsave_grads.GradientTape":
             tape_class = lambda: mg.GradientTape(checkpoints="memory")  # noqa: E731
+        elif program == "LSTM under a persistent tape" and "non-persistent" not in way:
+            tape_class = lambda: tf.GradientTape(persistent=True)  # noqa: E731
 
         @tf.function
         def step(xb, yb):
@@ -96,7 +124,7 @@ def _measure_here(request: dict) -> dict:
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss
 
-        patch = mg.patch("memory") if way == "patch()" else None
+        patch = mg.patch("memory") if way.startswith("patch()") else None
         for i in range(STEPS):
             xb, yb = tf.constant(x[i * batch:(i + 1) * batch]), tf.constant(y[i * batch:(i + 1)
                                                                               * batch])
@@ -143,14 +171,17 @@ def _max_rel_diff(got, want) -> float:
     return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
 
 
-def table(blocks: int, width: int, batch: int, activation: str = "gelu") -> str:
-    """Measure every cell and return the markdown table."""
+def table(blocks: int, width: int, batch: int, activation: str = "gelu",
+          programs: Sequence[str] | None = None) -> str:
+    """Measure every cell (of ``programs``, default all) and return the markdown table."""
     import numpy as np  # pylint: disable=import-outside-toplevel
     rows = ["| program | way | step peak MiB | vs unrouted | max loss diff | max weight diff |",
             "|---|---|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as folder:
         reference: dict = {}
         for program, way in CELLS:
+            if programs is not None and program not in programs:
+                continue
             weights_file = os.path.join(folder, f"{len(reference)}_{way.split()[0]}.npz")
             result = measure_cell(program, way, blocks, width, batch, weights_file, activation)
             if "failed" in result:
@@ -173,13 +204,19 @@ def main(argv=None) -> int:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--activation", default="gelu", help="of each block's Dense layer")
+    parser.add_argument("--programs", default=None,
+                        help="comma-separated programs to measure (default: all): "
+                             + ", ".join(dict.fromkeys(p for p, _ in CELLS)))
     args = parser.parse_args(argv)
+    programs = None if args.programs is None else [p.strip() for p in args.programs.split(",")]
     print(f"Residual MLP, {args.blocks} blocks h = h + Dense({args.width}, {args.activation})(h), "
           f"batch "
           f"{args.batch}, Keras 3 SGD(0.01), {STEPS} steps; peaks of steps 2-{STEPS} above what "
           "was in use before each step; each row a fresh process. Diffs: max |a - b| / max |b| "
-          "against the unrouted row of the program.\n")
-    print(table(args.blocks, args.width, args.batch, args.activation))
+          "against the unrouted row of the program. The LSTM program: Keras 3 LSTM(%d) over %d "
+          "steps of %d features, batch %d, whatever the MLP's sizes.\n"
+          % (LSTM_SHAPE[2], LSTM_SHAPE[0], LSTM_SHAPE[1], LSTM_SHAPE[3]))
+    print(table(args.blocks, args.width, args.batch, args.activation, programs))
     return 0
 
 
