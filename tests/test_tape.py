@@ -731,6 +731,12 @@ def test_patch_without_tapes_leaves_them_to_tensorflow(spy):
 # Control flow that TensorFlow wraps for higher-order tape gradients
 # --------------------------------------------------------------------------------------------
 
+def _conds_inputs(seed):
+    rng = np.random.RandomState(seed)
+    return (tf.constant(rng.randn(8, 16)), tf.Variable(rng.randn(16, 16) * 0.3),
+            tf.constant(True))
+
+
 def _blocks_in_conds(h, w, flag):
     for _ in range(3):
         h = tf.cond(flag, lambda h=h: h + tf.tanh(h @ w), lambda h=h: h)
@@ -744,10 +750,7 @@ def test_control_flow_a_persistent_tape_wraps_is_named_once(monkeypatch, caplog)
     says so and names the remedy; a non-persistent tape gets none. Gradients as TensorFlow's."""
     monkeypatch.setattr(ordering, "_warned", set())
     caplog.set_level(logging.WARNING, logger="memsave_grads")
-    rng = np.random.RandomState(0)
-    x = tf.constant(rng.randn(8, 16))
-    w = tf.Variable(rng.randn(16, 16) * 0.3)
-    flag = tf.constant(True)
+    x, w, flag = _conds_inputs(0)
 
     def gradient(persistent):
         @tf.function
@@ -775,10 +778,7 @@ def test_a_gradient_penalty_s_inner_gradient_by_memsave_grads_is_exact_to_second
     """The remedy the warning names, for nested tapes: the inner gradient by
     ``memsave_grads.gradients`` (it records nothing, so TensorFlow wraps nothing) and the outer
     tape differentiating it; against TensorFlow's nested tapes, conds and a loop included."""
-    rng = np.random.RandomState(1)
-    x = tf.constant(rng.randn(8, 16))
-    w = tf.Variable(rng.randn(16, 16) * 0.3)
-    flag = tf.constant(True)
+    x, w, flag = _conds_inputs(1)
 
     def penalty(inner):
         @tf.function
