@@ -284,9 +284,7 @@ def _warn_tape_wrapped_once(region) -> None:
     wrapped = [op for op in region if function_ops.tape_wrapped(op)]
     if not wrapped:
         return
-    loops_inside = any(inner.type in op_types.WHILE_OP_TYPES
-                       for op in wrapped for body in function_ops.body_graphs(op) or ()
-                       for inner in body.get_operations())
+    reads_per_iteration = any(function_ops.loop_reads_variables(op) for op in wrapped)
     ordering.warn_once(
         "tape-wrapped control flow",
         "memsave_grads: TensorFlow wrapped %d control-flow op(s) of this step (tf.cond, "
@@ -297,7 +295,7 @@ def _warn_tape_wrapped_once(region) -> None:
         "recording the forward pass (docs/usage.md, \"Tapes that TensorFlow wraps\").",
         len(wrapped), ", ".join(op.name for op in wrapped[:3]),
         ", and TensorFlow's gradient of a wrapped loop stores a copy of each variable it "
-        "reads per iteration" if loops_inside else "")
+        "reads per iteration" if reads_per_iteration else "")
 
 
 def _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: dict) -> Gradients:

@@ -135,6 +135,20 @@ def tape_wrapped(op: tf.Operation) -> bool:
         return False
 
 
+def loop_reads_variables(call: tf.Operation) -> bool:
+    """Whether a loop that function call ``call`` runs reads a variable in its body (what
+    TensorFlow's gradient of the call then stores per iteration; :func:`tape_wrapped`).
+    TensorFlow builds a wrapped loop's gradient when the call is recorded, so the loop is no
+    longer :func:`untouched_loop` by then: its body is read as it is."""
+    for graph in body_graphs(call) or ():
+        for op in graph.get_operations():
+            if op.type in op_types.WHILE_OP_TYPES and any(
+                    inner.type in op_types.VARIABLE_READ_OP_TYPES
+                    for body in body_graphs(op) or () for inner in body.get_operations()):
+                return True
+    return False
+
+
 def _function_graph(op: tf.Operation, attr_value, input_shapes, cached: str | None):
     """The FuncGraph of one function attribute of ``op``: the graph cond_v2/while_v2 cached on
     the op, or the one ``tf.function`` traced, else one rebuilt from the function library."""
