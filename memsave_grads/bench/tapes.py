@@ -1,6 +1,6 @@
 """Benchmark: ``tf.GradientTape`` training, unrouted and routed (design note "tape routing").
 
-Two programs as TF2 users write them, each cell measured in a fresh process
+Three programs as TF2 users write them, each cell measured in a fresh process
 (:mod:`memsave_grads._child`, allocator peaks from :mod:`memsave_grads.measure`):
 
 - a ``tf.function`` training loop with ``tf.GradientTape`` and a Keras 3 SGD on a residual MLP
@@ -38,9 +38,9 @@ STEPS = 3
 CELLS = (("tape loop", "tf.GradientTape"), ("tape loop", "patch()"),
          ("tape loop", "memsave_grads.GradientTape"),
          ("own train_step", "stock fit"), ("own train_step", "wrap_model"),
-         ("LSTM under a persistent tape", "tf.GradientTape"), ("LSTM under a persistent tape", "patch()"),
-         ("LSTM under a persistent tape", "one non-persistent tape"),
-         ("LSTM under a persistent tape", "patch(), one non-persistent tape"))
+         *(("LSTM under a persistent tape", way) for way in (
+             "tf.GradientTape", "patch()", "one non-persistent tape",
+             "patch(), one non-persistent tape")))
 
 #: The LSTM program's (time steps, features, units, batch).
 LSTM_SHAPE = (200, 64, 256, 32)
