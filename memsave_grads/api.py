@@ -284,6 +284,8 @@ def _warn_tape_wrapped_once(region) -> None:
     wrapped = [op for op in region if function_ops.tape_wrapped(op)]
     if not wrapped:
         return
+    # Loops built while tapes were routed read their variables once (loops.
+    # hoist_reads_in_tape_wrappers); one built before stores every read per iteration.
     reads_per_iteration = any(function_ops.loop_reads_variables(op) for op in wrapped)
     ordering.warn_once(
         "tape-wrapped control flow",

@@ -31,6 +31,7 @@ import tensorflow as tf
 from memsave_grads import _validate
 from memsave_grads import api
 from memsave_grads import errors
+from memsave_grads._tf import loops
 from memsave_grads._tf import tape_record
 
 #: This module's messages: a child of the ``memsave_grads`` logger.
@@ -66,6 +67,7 @@ def start_routing(routing: Routing) -> Routing:
     with _lock:
         if not _active:
             tape_record.install_hooks(_CLASS_HOOKS)
+            loops.hoist_reads_in_tape_wrappers(True)
         _active.append(routing)
     return routing
 
@@ -80,6 +82,7 @@ def stop_routing(routing: Routing) -> None:
                 break
         if not _active:
             tape_record.uninstall_hooks()
+            loops.hoist_reads_in_tape_wrappers(False)
 
 
 def _innermost() -> Routing | None:
@@ -196,6 +199,12 @@ class GradientTape(tf.GradientTape):
     @_not_converted
     def _push_tape(self):
         tape_record.push(self, tape_record.OWN_CLASS)
+        loops.hoist_reads_in_tape_wrappers(True)  # while it records (design note)
+
+    @_not_converted
+    def _pop_tape(self):
+        super()._pop_tape()
+        loops.hoist_reads_in_tape_wrappers(False)
 
     @_not_converted
     def watch(self, tensor):

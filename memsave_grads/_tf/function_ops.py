@@ -149,6 +149,12 @@ def loop_reads_variables(call: tf.Operation) -> bool:
     return False
 
 
+def is_tape_wrapper_graph(graph) -> bool:
+    """Whether ``graph`` is the function TensorFlow traces around a cond or loop for a tape
+    (:func:`tape_wrapped`'s call runs it)."""
+    return bool(getattr(graph, "building_function", False)) and _TAPE_WRAPPER_NAME in graph.name
+
+
 def _function_graph(op: tf.Operation, attr_value, input_shapes, cached: str | None):
     """The FuncGraph of one function attribute of ``op``: the graph cond_v2/while_v2 cached on
     the op, or the one ``tf.function`` traced, else one rebuilt from the function library."""
@@ -254,8 +260,10 @@ def hoistable_reads(op: tf.Operation) -> dict:
     variable handles are only read (no write, no nested function receiving one: every
     iteration reads the same value), where no op made after the loop writes the variable (a
     read made now must see what the loop saw). Empty where the loop is not
-    :func:`untouched_loop` or its body cannot be read."""
-    if not untouched_loop(op):
+    :func:`untouched_loop`, its body holds a custom gradient or cannot be read."""
+    if not untouched_loop(op) or tf_graph.loop_body_has_custom_gradient(op):
+        # A custom gradient (recompute(), Keras cells under wrap_model) is a Python function
+        # over the body's own tensors: a rebuilt body would leave it reading the old one.
         return {}
     graphs = body_graphs(op)
     if not graphs:

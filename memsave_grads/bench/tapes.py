@@ -10,9 +10,9 @@ Three programs as TF2 users write them, each cell measured in a fresh process
   ``fit``: stock, and under ``memsave_grads.wrap_model``;
 - a Keras 3 ``LSTM`` (a ``tf.while_loop``) trained in a ``tf.function`` loop under a
   *persistent* tape, which TensorFlow answers by wrapping the loop in a function call
-  (docs/usage.md, "Tapes that TensorFlow wraps"): as written, under ``patch()`` (nothing
-  saved: the limitation, measured), and with a non-persistent tape instead, as written and
-  under ``patch()`` (the remedy). Its sizes are fixed (:data:`LSTM_SHAPE`).
+  (docs/usage.md, "Tapes that TensorFlow wraps"): as written, under ``patch()`` (the loop's
+  reads hoisted, nothing recomputed inside the call), and with a non-persistent tape instead,
+  as written and under ``patch()``. Its sizes are fixed (:data:`LSTM_SHAPE`).
 
 Each trains 3 steps from the same initial weights; the table gives the largest step peak after
 the first (which traces and builds the optimizer), the ratio to the unrouted peak, and the
