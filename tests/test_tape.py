@@ -941,3 +941,65 @@ def test_a_loop_under_a_persistent_tape_peaks_far_lower_when_routed():
                       for kind in ("plain", "patched"))
     assert patched["peak"] <= 0.5 * plain["peak"], (plain, patched)
     assert patched["kernel"] == pytest.approx(plain["kernel"], rel=1e-5)
+
+
+def test_a_wrapped_loop_whose_condition_writes_keeps_its_reads():
+    """A condition that writes a variable at each test (``c.assign_add``) changes what the
+    body reads: the loop is left as it is (rebuilt, the condition had lost its write, and the
+    loop computed zeros). Values and gradients as TensorFlow's, the write's effect included."""
+    w = tf.Variable(tf.eye(3, dtype=tf.float64))
+    counter = tf.Variable(0.0, dtype=tf.float64)
+    x = tf.ones([2, 3], tf.float64)
+
+    def step():
+        with tf.GradientTape(persistent=True) as tape:
+            def condition(i, h):
+                counter.assign_add(1.0)
+                return i < 3
+            _, h = tf.while_loop(condition, lambda i, h: (i + 1, tf.tanh(h @ w) * counter),
+                                 [0, x])
+            y = tf.reduce_sum(h)
+        return tape.gradient(y, w), y, counter.read_value()
+
+    counter.assign(0.0)
+    expected = tf.function(step)()
+    with mg.patch("memory"):
+        counter.assign(0.0)
+        ours = tf.function(step)()
+    for got, want in zip(ours, expected):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10)
+
+
+def test_the_builder_stand_in_never_calls_itself(monkeypatch):
+    """Another patcher of TensorFlow's builder that starts inside a routing and ends after it
+    puts our stand-in back as it found it: the stand-in then runs TensorFlow's builder (it
+    had called itself without end), and a later routing does not take it for TensorFlow's:
+    it ends by putting TensorFlow's back."""
+    from tensorflow.python.ops import control_flow_util_v2  # pylint: disable=import-outside-toplevel
+    from memsave_grads._tf import loops  # pylint: disable=import-outside-toplevel
+    builder = control_flow_util_v2.run_as_function_for_tape_gradients
+    x, w, _ = _conds_inputs(6)
+    v = tf.Variable(np.random.RandomState(7).randn(16, 16) * 0.3)
+
+    def gradient():
+        @tf.function
+        def step():
+            with tf.GradientTape(persistent=True) as tape:
+                y = tf.reduce_sum(_loop_reading_variables(x, w, v) ** 2)
+            return tape.gradient(y, [w, v])
+        return step()
+
+    expected = gradient()
+    patched = mg.patch("memory")
+    other = control_flow_util_v2.run_as_function_for_tape_gradients  # ours, as another saw it
+    mg.unpatch()
+    monkeypatch.setattr(control_flow_util_v2, "run_as_function_for_tape_gradients", other)
+    assert patched is not None
+    for got, want in zip(gradient(), expected):  # the stand-in, with no routing active
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10)
+    with mg.patch("memory"):
+        for got, want in zip(gradient(), expected):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10)
+    # That routing ended by putting TensorFlow's builder back, not the stand-in it found.
+    assert control_flow_util_v2.run_as_function_for_tape_gradients is builder
+    assert loops._tape_wrapper_builder is None  # pylint: disable=protected-access

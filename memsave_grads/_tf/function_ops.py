@@ -259,8 +259,10 @@ def hoistable_reads(op: tf.Operation) -> dict:
     among the body's inputs: reads of a handle the body passes on unchanged, in a body whose
     variable handles are only read (no write, no nested function receiving one: every
     iteration reads the same value), where no op made after the loop writes the variable (a
-    read made now must see what the loop saw). Empty where the loop is not
-    :func:`untouched_loop`, its body holds a custom gradient or cannot be read."""
+    read made now must see what the loop saw), in a loop whose condition has no stateful op
+    but reads.
+    Empty where the loop is not :func:`untouched_loop`, its body holds a custom gradient or
+    cannot be read."""
     if not untouched_loop(op) or tf_graph.loop_body_has_custom_gradient(op):
         # A custom gradient (recompute(), Keras cells under wrap_model) is a Python function
         # over the body's own tensors: a rebuilt body would leave it reading the old one.
@@ -269,6 +271,8 @@ def hoistable_reads(op: tf.Operation) -> dict:
     if not graphs:
         return {}
     (body,) = graphs
+    if not _condition_only_reads(cond_graph(op)):
+        return {}
     invariant = loop_invariant_positions(body, body_outputs(op, body))
     found: dict = {}
     for i, t in enumerate(body.inputs):
@@ -281,6 +285,16 @@ def hoistable_reads(op: tf.Operation) -> dict:
         if i in invariant and reads and _no_write_since(op, op.inputs[i]):
             found[i] = reads
     return found
+
+
+def _condition_only_reads(condition) -> bool:
+    """Whether a loop's condition has no effect but its value: no stateful op but handle
+    reads. The hoist rebuilds the condition too, and one that writes a variable
+    (``c.assign_add(1)`` at each test) changes what the body reads from one iteration to
+    the next; rebuilt, such a write had been lost (a review found the loop computing zeros)."""
+    return condition is not None and all(
+        not o._is_stateful or tf_graph.is_handle_gradient_read(o)  # pylint: disable=protected-access
+        for o in condition.get_operations())
 
 
 def _no_write_since(op: tf.Operation, handle: tf.Tensor) -> bool:

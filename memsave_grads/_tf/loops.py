@@ -222,6 +222,9 @@ def hoist_reads(region: Iterable[tf.Operation], outside_xla: bool = False) -> in
 #: TensorFlow's ``run_as_function_for_tape_gradients`` while ours stands in for it, and how
 #: many routings and routed tapes asked for ours (:func:`hoist_reads_in_tape_wrappers`).
 _tape_wrapper_builder = None
+#: TensorFlow's own, read when this module is imported (no call): what the stand-in falls back
+#: to where another patcher left it in place after our routing ended.
+_TENSORFLOW_BUILDER = control_flow_util_v2.run_as_function_for_tape_gradients
 _tape_wrapper_users = 0
 _tape_wrapper_lock = threading.Lock()
 
@@ -241,7 +244,10 @@ def hoist_reads_in_tape_wrappers(active: bool) -> None:
     with _tape_wrapper_lock:
         _tape_wrapper_users = max(0, _tape_wrapper_users + (1 if active else -1))
         if _tape_wrapper_users and _tape_wrapper_builder is None:
-            _tape_wrapper_builder = control_flow_util_v2.run_as_function_for_tape_gradients
+            current = control_flow_util_v2.run_as_function_for_tape_gradients
+            # Never record our own stand-in as TensorFlow's (one that another patcher put back).
+            _tape_wrapper_builder = (_TENSORFLOW_BUILDER if current is _built_with_reads_hoisted
+                                     else current)
             control_flow_util_v2.run_as_function_for_tape_gradients = _built_with_reads_hoisted
         elif not _tape_wrapper_users and _tape_wrapper_builder is not None:
             control_flow_util_v2.run_as_function_for_tape_gradients = _tape_wrapper_builder
@@ -251,7 +257,7 @@ def hoist_reads_in_tape_wrappers(active: bool) -> None:
 def _built_with_reads_hoisted(make_op, inputs):
     """TensorFlow's builder, whose op maker also hoists the reads of a loop it makes inside
     the wrapper function (where TensorFlow wraps; elsewhere the op is made as it was)."""
-    builder = _tape_wrapper_builder or control_flow_util_v2.run_as_function_for_tape_gradients
+    builder = _tape_wrapper_builder or _TENSORFLOW_BUILDER
 
     def make_op_hoisting(op_inputs):
         outputs = make_op(op_inputs)
