@@ -219,12 +219,13 @@ def hoist_reads(region: Iterable[tf.Operation], outside_xla: bool = False) -> in
     return hoisted
 
 
-#: TensorFlow's ``run_as_function_for_tape_gradients`` while ours stands in for it, and how
-#: many routings and routed tapes asked for ours (:func:`hoist_reads_in_tape_wrappers`).
-_tape_wrapper_builder = None
-#: TensorFlow's own, read when this module is imported (no call): what the stand-in falls back
-#: to where another patcher left it in place after our routing ended.
+#: TensorFlow's ``run_as_function_for_tape_gradients``, read when this module is imported (no
+#: call): what the stand-in falls back to where another patcher left it in place after our
+#: routing ended.
 _TENSORFLOW_BUILDER = control_flow_util_v2.run_as_function_for_tape_gradients
+#: The builder ours stands in for while it does, and how many routings and routed tapes
+#: asked for ours (:func:`hoist_reads_in_tape_wrappers`).
+_tape_wrapper_builder = None
 _tape_wrapper_users = 0
 _tape_wrapper_lock = threading.Lock()
 
