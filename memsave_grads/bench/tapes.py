@@ -209,6 +209,11 @@ def main(argv=None) -> int:
                              + ", ".join(dict.fromkeys(p for p, _ in CELLS)))
     args = parser.parse_args(argv)
     programs = None if args.programs is None else [p.strip() for p in args.programs.split(",")]
+    known = dict.fromkeys(p for p, _ in CELLS)
+    unknown = [p for p in programs or () if p not in known]
+    if unknown:
+        parser.error(f"--programs: unknown program(s) {unknown}; expected some of "
+                     f"{list(known)}, comma-separated")
     print(f"Residual MLP, {args.blocks} blocks h = h + Dense({args.width}, {args.activation})(h), "
           f"batch "
           f"{args.batch}, Keras 3 SGD(0.01), {STEPS} steps; peaks of steps 2-{STEPS} above what "
