@@ -277,10 +277,15 @@ def _gradients_checked(ys, xs, grad_ys, checkpoints, fallback: str,
     return _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
 
 
+_TAPE_WRAPPED_WARNING = "tape-wrapped control flow"
+
+
 def _warn_tape_wrapped_once(region) -> None:
     """Say once per process where TensorFlow wrapped the region's conds or loops in calls for
     higher-order tape gradients: each is one op to the plan, and the remedy is the caller's
     (measured in docs/usage.md, "Tapes that TensorFlow wraps")."""
+    if ordering.warned(_TAPE_WRAPPED_WARNING):
+        return  # said once; its clause walks the calls' bodies, so not every call again
     wrapped = [op for op in region if function_ops.tape_wrapped(op)]
     if not wrapped:
         return
@@ -288,7 +293,7 @@ def _warn_tape_wrapped_once(region) -> None:
     # hoist_reads_in_tape_wrappers); one built before stores every read per iteration.
     reads_per_iteration = any(function_ops.loop_reads_variables(op) for op in wrapped)
     ordering.warn_once(
-        "tape-wrapped control flow",
+        _TAPE_WRAPPED_WARNING,
         "memsave_grads: TensorFlow wrapped %d control-flow op(s) of this step (tf.cond, "
         "tf.case, tf.while_loop) in function calls (%s), as it does while a persistent "
         "tf.GradientTape or two tapes at once record them; each call is one op to the plan, "

@@ -125,8 +125,9 @@ def tape_wrapped(op: tf.Operation) -> bool:
     """A function call TensorFlow made around a ``tf.cond`` or ``tf.while_loop`` because a
     persistent tape, nested tapes or a forward accumulator was recording it: the call's
     gradient is TensorFlow's function gradient, which stores what its body's gradient reads
-    (a loop: a copy of each variable the body reads, per iteration), and the plan treats it as
-    one op (docs/usage.md, "Tapes that TensorFlow wraps")."""
+    (a loop: a copy of each variable the body reads, per iteration, unless its reads were
+    hoisted while tapes were routed: ``loops.hoist_reads_in_tape_wrappers``), and the plan
+    treats it as one op (docs/usage.md, "Tapes that TensorFlow wraps")."""
     if op.type not in op_types.FUNCTION_CALL_OP_TYPES:
         return False
     try:
@@ -260,9 +261,8 @@ def hoistable_reads(op: tf.Operation) -> dict:
     variable handles are only read (no write, no nested function receiving one: every
     iteration reads the same value), where no op made after the loop writes the variable (a
     read made now must see what the loop saw), in a loop whose condition has no stateful op
-    but reads.
-    Empty where the loop is not :func:`untouched_loop`, its body holds a custom gradient or
-    cannot be read."""
+    but reads. Empty where the loop is not :func:`untouched_loop`, its body holds a custom
+    gradient or cannot be read."""
     if not untouched_loop(op) or tf_graph.loop_body_has_custom_gradient(op):
         # A custom gradient (recompute(), Keras cells under wrap_model) is a Python function
         # over the body's own tensors: a rebuilt body would leave it reading the old one.

@@ -173,6 +173,12 @@ def materialized(tensors: Sequence[tf.Tensor], zero: tf.Tensor) -> list[tf.Tenso
                             name="materialized") for t in tensors]
 
 
+def warned(key: str) -> bool:
+    """Whether :func:`warn_once` has said ``key``'s warning in this process (so a caller can
+    skip the work of composing it again)."""
+    return key in _warned
+
+
 def warn_once(key: str, message: str, *args) -> None:
     """Log ``message % args`` as a warning the first time ``key`` is seen in this process (a
     step traced again says nothing new)."""
