@@ -4,6 +4,7 @@ There, after ``../shared/gpu/README.md``'s set-up (``. /tmp/gpu_env.sh``)::
 
     python3 scripts/gpu_table.py run SECONDS            # everything that fits in SECONDS
     python3 scripts/gpu_table.py run 600 --quick        # a rehearsal on this machine's CPU
+    python3 scripts/gpu_table.py run 480 --xla-only     # only the jit_compile cells and Keras
 
 Phase 1 measures peaks, several processes at once (a process's allocator peak is its own, so
 parallel processes do not disturb it): the peer table's cells (``bench.xla``: the Transformer and
@@ -21,16 +22,16 @@ by regions that double, and XLA's one temporary buffer took a whole region: ever
 ``jit_compile`` peak read as a power of two (256.0, 128.0, 64.0 MiB on 2026-11-28).
 
 Variants (left out with ``--no-variants``; times and peaks under ``jit_compile``, against the
-default): XLA's GPU runtime reads a conditional's predicate back to the host and waits for the
-stream before it runs a branch (``ConditionalThunk``, read in XLA's source, not profiled), so
-each of the rewrite's conditionals (note "memory under XLA", one per kept sum and incoming
-gradient) may drain the GPU once per step: 111 of them in the Transformer's step, which ran
-1.75x tf.gradients' time on an H200 where RematScope ran 1.12x. ``per_level``
-passes a level's tensors through one conditional (its outputs' ``None`` gradients are not kept:
-for measuring only), ``barrier`` through one ``XlaOptimizationBarrier`` (which XLA's GPU
-compiler keeps until after scheduling, where its CPU compiler removes it before fusion: no host
-round trip), ``none`` through none. On the CPU (2026-11-28): per_tensor and per_level both 44.0 /
-62.8 MiB, none 56.1 / 78.8 (Transformer / conv ResNet).
+default): the rewrite makes each kept sum and incoming gradient a buffer that XLA reads as it is
+(``ordering.materialized``, note "memory under XLA"). By default, for a GPU, through an
+``XlaOptimizationBarrier`` each (which XLA's GPU compiler keeps until after scheduling, where its
+CPU compiler removes it before fusion). ``conditional`` builds what the CPU gets, and what the
+GPU got until 2026-11-28: a conditional each, whose predicate XLA's GPU runtime reads back to the
+host, waiting for the stream, before it runs a branch (``ConditionalThunk``): 111 in the
+Transformer's step, which ran 1.75x tf.gradients' time on an H200 where RematScope ran 1.12x.
+``per_level`` passes a level's tensors through one conditional (its outputs' ``None`` gradients
+are not kept: for measuring only), ``none`` through nothing. On the CPU (2026-11-28):
+conditional and per_level both 44.0 / 62.8 MiB, none 56.1 / 78.8 (Transformer / conv ResNet).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ REGION_MIB = 12000
 #: The share of the GPU's memory the processes at once may reserve together.
 GPU_SHARE = 0.85
 RESULT = "GPU_TABLE_RESULT "
-VARIANTS = ("per_tensor", "per_level", "barrier", "none")
+VARIANTS = ("default", "conditional", "per_level", "none")
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,9 +80,11 @@ def _variant(name: str):
     from memsave_grads._tf import ordering, stitch  # pylint: disable=import-outside-toplevel
     from tensorflow.python.ops import cond_v2  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    saved = stitch._materialized, ordering.materialized  # pylint: disable=protected-access
+    saved = stitch._materialized, ordering.materialized, ordering.barriers_kept
     if name == "none":
         stitch._materialized = lambda boundaries, active, arrival: boundaries
+    elif name == "conditional":
+        ordering.barriers_kept = lambda t: False
     elif name == "per_level":
         def grouped(tensors, zero):
             return list(cond_v2.cond_v2(tf.equal(zero, 0.0),
@@ -89,19 +92,10 @@ def _variant(name: str):
                                         lambda: [tf.identity(t) for t in tensors],
                                         name="materialized"))
         ordering.materialized = grouped
-    elif name == "barrier":
-        from tensorflow.compiler.tf2xla.ops import gen_xla_ops  # pylint: disable=import-outside-toplevel
-        from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
-        try:
-            ops.gradient_registry.lookup("XlaOptimizationBarrier")
-        except LookupError:
-            ops.RegisterGradient("XlaOptimizationBarrier")(lambda op, *grads: list(grads))
-        ordering.materialized = lambda tensors, zero: list(
-            gen_xla_ops.xla_optimization_barrier(list(tensors), name="materialized"))
     try:
         yield
     finally:
-        stitch._materialized, ordering.materialized = saved
+        stitch._materialized, ordering.materialized, ordering.barriers_kept = saved
 
 
 def _cell(request: dict) -> dict:
@@ -110,7 +104,7 @@ def _cell(request: dict) -> dict:
     from memsave_grads import measure  # pylint: disable=import-outside-toplevel
     spec = request["spec"]
     if request["measure"] == "peak":
-        with _variant(request.get("variant", "per_tensor")):
+        with _variant(request.get("variant", "default")):
             return xla._measure_here({  # pylint: disable=protected-access
                 "function": spec["function"], "kwargs": spec["kwargs"],
                 "methods": [request["method"]], "jit_compile": request["jit"],
@@ -180,7 +174,7 @@ class Run:
         chosen = {s.function: s for s in models.xla_models()}
         return [(chosen[f].name, f, chosen[f].kwargs) for f in ("transformer", "conv_resnet")]
 
-    def peak(self, name, function, kwargs, method, jit, variant="per_tensor") -> None:
+    def peak(self, name, function, kwargs, method, jit, variant="default") -> None:
         t = time.time()
         result = self.child({"measure": "peak", "method": method, "jit": jit, "variant": variant,
                              "spec": {"function": function, "kwargs": kwargs}})
@@ -218,7 +212,7 @@ class Run:
         except subprocess.TimeoutExpired:
             self.emit({"cell": name, "timed_out": True, "wall_s": round(time.time() - t, 1)})
 
-    def main(self, workers: int, variants: bool) -> None:
+    def main(self, workers: int, variants: bool, xla_only: bool = False) -> None:
         from memsave_grads.bench import xla  # pylint: disable=import-outside-toplevel
         from memsave_grads import fit_limit  # pylint: disable=import-outside-toplevel
         self.shell("device", "nvidia-smi -L; python3 -c \"import tensorflow as tf; print("
@@ -233,7 +227,8 @@ class Run:
         jobs = [pool.submit(self.keras, source, method, batch)
                 for source, batch in keras for method in (fit_limit.PLAIN, "memory")]
         jobs += [pool.submit(self.peak, *spec, method, jit)
-                 for jit in (True, False) for spec in specs for method in xla.METHODS]
+                 for jit in ((True,) if xla_only else (True, False))
+                 for spec in specs for method in xla.METHODS]
         if variants:
             jobs += [pool.submit(self.peak, *spec, xla.MEMORY, True, variant)
                      for spec in specs for variant in VARIANTS[1:]]
@@ -246,9 +241,9 @@ class Run:
         quick = " --depth 8 --width 64 --batch 8" if self.quick else ""
         self.shell("demo", f"{sys.executable} -m memsave_grads demo --repeats 5{quick}",
                    min(150.0, self.left() - 20))
-        for jit in (True, False):
+        for jit in ((True,) if xla_only else (True, False)):
             for spec in specs:
-                entries = [[m, "per_tensor"] for m in xla.METHODS]
+                entries = [[m, "default"] for m in xla.METHODS]
                 if variants and jit:
                     entries += [[xla.MEMORY, v] for v in VARIANTS[1:]]
                 if self.left() > 60:
@@ -264,14 +259,17 @@ def main(argv=None) -> None:
     run.add_argument("--quick", action="store_true", help="small models: a CPU rehearsal")
     run.add_argument("--workers", type=int, default=8, help="peak processes at once")
     run.add_argument("--no-variants", dest="variants", action="store_false",
-                     help="leave out the conditional variants")
+                     help="leave out the variants of the materialized buffers")
+    run.add_argument("--xla-only", action="store_true",
+                     help="leave out the peer table's cells without jit_compile")
     cell = sub.add_parser("cell", help="(internal) one cell, in this process")
     cell.add_argument("request")
     args = parser.parse_args(argv)
     if args.command == "cell":
         print(RESULT + json.dumps(_cell(json.loads(args.request))), flush=True)
         return
-    Run(args.seconds, args.quick, args.workers).main(args.workers, args.variants)
+    Run(args.seconds, args.quick, args.workers).main(args.workers, args.variants,
+                                                   args.xla_only)
     sys.stdout.flush()
     os._exit(0)  # pylint: disable=protected-access  # what still runs ends with the command
 

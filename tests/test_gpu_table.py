@@ -30,16 +30,21 @@ def _op_types_of_memory_step(gpu_table, variant):
     return [op.type for op in graph.get_operations()]
 
 
-def test_the_variants_build_what_they_name(gpu_table):
-    counts = {}
-    for variant in gpu_table.VARIANTS:
-        types = _op_types_of_memory_step(gpu_table, variant)
-        counts[variant] = (sum(t in ("If", "StatelessIf") for t in types),
-                           types.count("XlaOptimizationBarrier"))
-    per_tensor, per_level = counts["per_tensor"][0], counts["per_level"][0]
-    assert per_tensor > per_level > 0, counts
-    assert counts["barrier"][0] == 0 and counts["barrier"][1] > 0, counts
+def _counts(gpu_table, variant):
+    types = _op_types_of_memory_step(gpu_table, variant)
+    return sum(t in ("If", "StatelessIf") for t in types), types.count("XlaOptimizationBarrier")
+
+
+def test_the_variants_build_what_they_name(gpu_table, monkeypatch):
+    # As on a GPU, where the default builds barriers and ``conditional`` what the CPU gets.
+    from memsave_grads._tf import ordering  # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(ordering, "barriers_kept", lambda t: True)
+    counts = {variant: _counts(gpu_table, variant) for variant in gpu_table.VARIANTS}
+    conditionals, barriers = counts["conditional"][0], counts["default"][1]
+    # Fewer barriers than conditionals: a conditional's gradient is one more conditional.
+    assert counts["default"][0] == 0 and 0 < barriers < conditionals, counts
+    assert conditionals > counts["per_level"][0] > 0, counts
+    assert counts["conditional"][1] == counts["per_level"][1] == 0, counts
     assert counts["none"] == (0, 0), counts
-    # The variant is undone on leaving: the default builds its conditionals again.
-    again = _op_types_of_memory_step(gpu_table, "per_tensor")
-    assert sum(t in ("If", "StatelessIf") for t in again) == per_tensor
+    # The variant is undone on leaving: the default builds its barriers again.
+    assert _counts(gpu_table, "default") == (0, barriers)

@@ -22,6 +22,7 @@ import os
 from typing import Iterable, Sequence
 
 import tensorflow as tf
+from tensorflow.python.framework import ops
 from tensorflow.python.ops import cond_v2
 from tensorflow.python.ops import control_flow_util
 
@@ -149,28 +150,67 @@ def sums_activations(t: tf.Tensor, depth: int = 8) -> bool:
 
 
 def materialized(tensors: Sequence[tf.Tensor], zero: tf.Tensor) -> list[tf.Tensor]:
-    """The values of ``tensors``, each passed through a conditional on ``zero == 0`` (``zero``
-    from :func:`gradient_arrival`; both branches pass the value on): under XLA, an HLO
-    conditional whose predicate it cannot know at compile time. Its operand is read from
-    their buffers (XLA fuses nothing into a conditional), so a kept ``x + f(x)`` is
-    materialized instead of rebuilt in each reader from the tensors it sums, and nothing after
-    it can be computed before the gradient exists or be merged with the forward pass (design
-    note "memory under XLA"). Exact: each output is its input, whichever branch runs.
+    """The values of ``tensors``, each made a buffer that XLA reads as it is and only once
+    ``zero`` (from :func:`gradient_arrival`) exists: a kept ``x + f(x)`` is then materialized
+    instead of rebuilt in each reader from the tensors it sums, and nothing after it can be
+    computed before the gradient exists or be merged with the forward pass (design note
+    "memory under XLA"). Exact: each output is its input; its gradient is the identity, to
+    every order. Only where :func:`compiled_by_xla`: outside XLA it would only copy.
 
-    One conditional per tensor, not one for all: a conditional's gradient gives every output
-    that receives none a gradient of zeros, so a shared one turned the ``None`` gradient of a
-    kept tensor read only through non-differentiable ops into zeros, for everything upstream
-    of it (tf.gradients gives ``None`` there).
+    How depends on the compiler (:func:`barriers_kept`): for a GPU, an
+    ``XlaOptimizationBarrier`` of the tensor and ``zero``, which the GPU compiler keeps until
+    after scheduling and which costs nothing when it runs; for the CPU, whose compiler removes
+    barriers before fusion, a conditional on ``zero == 0`` whose two branches pass the value on,
+    which XLA cannot resolve at compile time and into whose operand it fuses nothing. On a GPU
+    each conditional is a round trip to the host (its predicate is read back before a branch
+    runs), hence the barrier there.
 
-    Not ``XlaOptimizationBarrier``, made for this: XLA's CPU compiler removes it before fusion
-    (the note). Only where :func:`compiled_by_xla`: outside XLA the conditional would only copy.
+    One per tensor, not one for all: an op's gradient gives each output that receives none a
+    gradient of zeros, so a shared one turned the ``None`` gradient of a kept tensor read only
+    through non-differentiable ops into zeros, for everything upstream of it (tf.gradients
+    gives ``None`` there).
     """
+    if barriers_kept(zero):
+        # pylint: disable-next=import-outside-toplevel  # XLA's op wrappers: only when used
+        from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+        _register_barrier_gradient()
+        # The zero is ordering only: no gradient flows into the arrival's reads.
+        waited = tf.stop_gradient(zero)
+        return [gen_xla_ops.xla_optimization_barrier([t, waited], name="materialized")[0]
+                for t in tensors]
     arrived = tf.equal(zero, 0.0)
     # cond_v2 whatever the process's setting: under disable_v2_behavior tf.cond would build
     # TF1 control flow (Switch/Merge), which a later derivative of these gradients cannot
     # take through memsave_grads (nor does XLA compile it into one conditional).
     return [cond_v2.cond_v2(arrived, lambda t=t: tf.identity(t), lambda t=t: tf.identity(t),
                             name="materialized") for t in tensors]
+
+
+def barriers_kept(t: tf.Tensor) -> bool:
+    """Whether XLA compiles ``t``'s op for a device whose compiler keeps an
+    ``XlaOptimizationBarrier`` through fusion and scheduling: not the CPU, whose compiler
+    expands barriers away before fusion (then :func:`materialized` builds a conditional).
+    The device is the op's own where it names one, else a GPU wherever one is visible,
+    as TensorFlow's placer chooses. A step placed on the CPU of a machine with a GPU
+    (``with tf.device("/CPU:0")`` around the call alone) still gets barriers: exact, but it
+    keeps what a conditional would have kept the CPU from rebuilding."""
+    device_type = tf.DeviceSpec.from_string(t.op.device or "").device_type
+    if device_type:
+        return device_type.upper() != "CPU"
+    return bool(tf.config.list_logical_devices("GPU"))
+
+
+def _register_barrier_gradient() -> None:
+    """Give ``XlaOptimizationBarrier`` its gradient, the identity (TensorFlow registers none),
+    once, on first use: for tf.gradients and for tapes alike, which look it up by op type."""
+    try:
+        ops.gradient_registry.lookup("XlaOptimizationBarrier")
+    except LookupError:
+        ops.RegisterGradient("XlaOptimizationBarrier")(_barrier_gradient)
+
+
+def _barrier_gradient(op, *grads):  # pylint: disable=unused-argument
+    return list(grads)
 
 
 def warned(key: str) -> bool:
