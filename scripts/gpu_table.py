@@ -32,6 +32,9 @@ Transformer's step, which ran 1.75x tf.gradients' time on an H200 where RematSco
 ``per_level`` passes a level's tensors through one conditional (its outputs' ``None`` gradients
 are not kept: for measuring only), ``none`` through nothing. On the CPU (2026-11-28):
 conditional and per_level both 44.0 / 62.8 MiB, none 56.1 / 78.8 (Transformer / conv ResNet).
+On an H200 (2026-11-28, fourth session): barriers 30.0 / 52.1 MiB at 1.17x / 1.18x
+tf.gradients' time, conditional 38.1 / 52.1 at 1.79x / 1.29x, per_level 52.0 / 52.1 at
+1.61x / 1.27x, none 38.0 / 56.3 at 1.14x / 1.16x (docs/gpu.md).
 """
 from __future__ import annotations
 

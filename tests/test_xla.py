@@ -40,6 +40,15 @@ def _measured(spec, method):
 PLAIN, MEMORY = bench_xla.METHODS[:2]
 
 
+@pytest.fixture(params=["conditional", "barrier"])
+def materialize_with(request, monkeypatch):
+    """Each way ``ordering.materialized`` makes a buffer: the CPU compiler's conditional and, as
+    for a GPU, a barrier (``ordering.barriers_kept``; XLA's CPU compiler accepts barriers and
+    removes them, so values and derivatives are checked here, savings on a GPU)."""
+    monkeypatch.setattr(ordering, "barriers_kept", lambda t: request.param == "barrier")
+    return request.param
+
+
 @pytest.mark.parametrize("residual", [  # ~18 s each
     False, pytest.param(True, marks=pytest.mark.slow)], ids=["tanh_chain", "residual_chain"])
 def test_chain_saves_under_xla(residual):
@@ -188,7 +197,7 @@ def test_second_order_under_xla(checkpoints, depth):
 
 @pytest.mark.parametrize("blocks,checkpoints,depth", [(24, "budget:20%:revolve", 4),
                                                       (12, "budget:25%:revolve", 11)])
-def test_nested_plans_are_exact_under_xla(blocks, checkpoints, depth):
+def test_nested_plans_are_exact_under_xla(blocks, checkpoints, depth, materialize_with):
     """Design note "multi-level" under XLA: residual MLPs (float64) whose budget plans nest 4
     and 11 levels deep give tf.gradients' values under jit_compile, and None for an x the loss
     does not depend on. Before the waiting stand-ins (``x - zero``, note "ordering under XLA")
@@ -535,7 +544,7 @@ def test_only_sums_of_activations_are_materialized():
     check.get_concrete_function()
 
 
-def test_materialized_is_exact_to_second_order():
+def test_materialized_is_exact_to_second_order(materialize_with):
     """Through ``ordering.materialized``, values, first and second derivatives are those
     without it, bit for bit, under XLA, whatever the gradient holds (NaN included)."""
     x = tf.constant(np.random.RandomState(7).randn(6, 5))
@@ -556,7 +565,8 @@ def test_materialized_is_exact_to_second_order():
             np.testing.assert_array_equal(got, expected)
 
 
-def test_a_kept_sum_read_only_through_integers_keeps_its_none_gradient_under_xla():
+def test_a_kept_sum_read_only_through_integers_keeps_its_none_gradient_under_xla(
+        materialize_with):
     """Two kept sums of activations in one level, one read only through a cast to integers:
     what lies upstream of it gets ``None`` from tf.gradients, and must from us under XLA too.
     Through one conditional shared by both sums, the conditional's gradient gave the cut one
@@ -582,6 +592,75 @@ def test_a_kept_sum_read_only_through_integers_keeps_its_none_gradient_under_xla
     expected = gradients_by(None)
     assert expected[0] is None and expected[1] is None
     assert_grads_close(gradients_by("ours"), expected, rtol=1e-10)
+
+
+def test_a_residual_stacks_hessian_vector_product_through_materialized_buffers(
+        materialize_with):
+    """Kept residual sums pass through ``ordering.materialized`` (counted), and a
+    Hessian-vector product of our gradients is tf.gradients' (float64): the barrier's
+    gradient, registered on first use, is the identity to every order."""
+    rng = np.random.RandomState(5)
+    x, v = tf.constant(rng.randn(8, 16)), tf.constant(rng.randn(8, 16))
+    weights = [tf.constant(rng.randn(16, 16) * 0.3) for _ in range(12)]
+
+    def hvp(gradients):
+        @tf.function(jit_compile=True)
+        def step(x, v):
+            h = residual_tanh_mlp(x, weights)
+            g = gradients(tf.reduce_sum(h * h), [x])[0]
+            return original_gradients(tf.reduce_sum(g * v), [x])[0]
+        return step, step(x, v).numpy()
+
+    step, got = hvp(lambda y, xs: mg.gradients(y, xs, checkpoints="memory", fallback="error"))
+    built = [op.type for op in step.get_concrete_function(x, v).graph.get_operations()
+             if "materialized" in op.name]
+    kind = "XlaOptimizationBarrier" if materialize_with == "barrier" else "StatelessIf"
+    assert kind in built, built
+    np.testing.assert_allclose(got, hvp(original_gradients)[1], rtol=1e-10)
+
+
+def test_a_tape_differentiates_through_materialized_barriers():
+    """A gradient penalty: a tape records our gradients, barriers included (it looks their
+    gradient up by op type, as tf.gradients does), and differentiates them exactly."""
+    rng = np.random.RandomState(6)
+    x = tf.constant(rng.randn(8, 16))
+    weights = [tf.Variable(rng.randn(16, 16) * 0.3) for _ in range(10)]
+
+    def penalty_gradients(gradients):
+        @tf.function(jit_compile=True)
+        def step():
+            with tf.GradientTape() as tape:
+                h = residual_tanh_mlp(x, weights)
+                g = gradients(tf.reduce_sum(h * h), weights)
+                penalty = tf.add_n([tf.reduce_sum(gw * gw) for gw in g])
+            return tape.gradient(penalty, weights)
+        return step
+
+    original = ordering.barriers_kept
+    ordering.barriers_kept = lambda t: True
+    try:
+        ours = penalty_gradients(lambda y, xs: mg.gradients(y, xs, checkpoints="memory",
+                                                            fallback="error"))
+        graph = ours.get_concrete_function().graph
+    finally:
+        ordering.barriers_kept = original
+    assert any(op.type == "XlaOptimizationBarrier" for op in graph.get_operations())
+    assert_grads_close(ours(), penalty_gradients(original_gradients)(), rtol=1e-10)
+
+
+def test_barriers_kept_follows_the_compiling_device():
+    """A barrier where XLA compiles for a GPU (or a TPU), a conditional for the CPU; an op
+    without a device goes where TensorFlow's placer puts it: a GPU wherever one is visible."""
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device("/CPU:0"):
+            on_cpu = tf.constant(0.0)
+        with tf.device("/job:localhost/replica:0/task:0/device:GPU:0"):
+            on_gpu = tf.constant(0.0)
+        anywhere = tf.constant(0.0)
+    assert not ordering.barriers_kept(on_cpu)
+    assert ordering.barriers_kept(on_gpu)
+    assert ordering.barriers_kept(anywhere) == bool(tf.config.list_logical_devices("GPU"))
 
 
 # --------------------------------------------------------------------------------------------
