@@ -21,6 +21,7 @@ _EXPORTS = {
     "gradients_memory": "memsave_grads.api",
     "gradients_collection": "memsave_grads.api",
     "assume_batch_size": "memsave_grads.api",
+    "register_gradients": "memsave_grads.api",
     "explain": "memsave_grads._explain",
     "PlanReport": "memsave_grads._explain",
     "Budget": "memsave_grads.core.budgets",
@@ -75,7 +76,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerl
     from memsave_grads._explain import PlanReport, explain
     from memsave_grads._tf.grappler_options import without_grappler_scheduling
     from memsave_grads.api import (assume_batch_size, gradients, gradients_collection,
-                                   gradients_memory, gradients_speed)
+                                   gradients_memory, gradients_speed, register_gradients)
     from memsave_grads.calibration import calibrate_budget
     from memsave_grads.core.budgets import Budget
     from memsave_grads.errors import (CheckpointNotOnPathError, EagerExecutionError,

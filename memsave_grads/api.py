@@ -177,6 +177,16 @@ def _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs: dict,
     return tf_graph.gradients_stopped_at(ys, xs, grad_ys, stops, **kwargs)
 
 
+def register_gradients() -> None:
+    """Register, in this process, the gradients of the ops memsave_grads builds that
+    TensorFlow registers none for: ``XlaOptimizationBarrier``'s, the identity (the rewrite
+    passes kept sums through barriers where XLA compiles for a GPU; design note "memory under
+    XLA"). :func:`gradients` does this on first use. Call it in a process that differentiates
+    what such gradients became without building them there: a loaded SavedModel, an imported
+    meta-graph. Nothing happens where a gradient is registered already."""
+    ordering.register_barrier_gradient()
+
+
 @contextlib.contextmanager
 def assume_batch_size(batch_size: int):
     """Plan the ``gradients()`` calls inside for batches of ``batch_size`` examples where the

@@ -648,9 +648,73 @@ def test_a_tape_differentiates_through_materialized_barriers():
     assert_grads_close(ours(), penalty_gradients(original_gradients)(), rtol=1e-10)
 
 
+_LOAD_AND_DIFFERENTIATE = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+loaded = tf.saved_model.load(sys.argv[1])
+if sys.argv[2] == "registered":
+    import memsave_grads as mg
+    mg.register_gradients()
+x = tf.constant(np.random.RandomState(1).randn(8, 16))
+try:
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        g = loaded.input_gradient(x)  # the tape asks for its gradient function here
+        penalty = tf.reduce_sum(g * g)
+    print(json.dumps({"gradient": tape.gradient(penalty, x).numpy().tolist()}))
+except LookupError as e:
+    print(json.dumps({"error": str(e)[:300]}))
+"""
+
+
+def test_a_loaded_saved_model_differentiates_through_barriers_once_registered(tmp_path):
+    """A SavedModel whose function returns our gradients, built with barriers (as for a GPU):
+    a fresh process that loads it differentiates it again once ``register_gradients()`` has
+    run, with the values of the same function built with tf.gradients; without it TensorFlow
+    finds no gradient for the barrier (what docs/usage.md says)."""
+    rng = np.random.RandomState(0)
+
+    class ScoreModel(tf.Module):
+        def __init__(self, gradients):
+            super().__init__()
+            self.weights = [tf.Variable(rng.randn(16, 16) * 0.3) for _ in range(10)]
+            self.gradients = gradients
+
+        @tf.function(jit_compile=True, input_signature=[tf.TensorSpec([8, 16], tf.float64)])
+        def input_gradient(self, x):
+            h = residual_tanh_mlp(x, self.weights)
+            return self.gradients(tf.reduce_sum(h * h), [x])[0]
+
+    original = ordering.barriers_kept
+    ordering.barriers_kept = lambda t: True
+    try:
+        ours = ScoreModel(lambda y, xs: mg.gradients(y, xs, checkpoints="memory",
+                                                     fallback="error"))
+        graph = ours.input_gradient.get_concrete_function().graph
+        tf.saved_model.save(ours, str(tmp_path / "ours"))
+    finally:
+        ordering.barriers_kept = original
+    assert any(op.type == "XlaOptimizationBarrier" for op in graph.get_operations())
+    plain = ScoreModel(original_gradients)
+    for mine, theirs in zip(ours.weights, plain.weights):
+        theirs.assign(mine)
+    tf.saved_model.save(plain, str(tmp_path / "plain"))
+
+    def run(path, how):
+        return children.run_json(_LOAD_AND_DIFFERENTIATE, str(tmp_path / path), how,
+                                 preamble="")
+    expected = np.array(run("plain", "unregistered")["gradient"])
+    np.testing.assert_allclose(np.array(run("ours", "registered")["gradient"]), expected,
+                               rtol=1e-10)
+    assert "XlaOptimizationBarrier" in run("ours", "unregistered")["error"]
+
+
 def test_barriers_kept_follows_the_compiling_device():
-    """A barrier where XLA compiles for a GPU (or a TPU), a conditional for the CPU; an op
-    without a device goes where TensorFlow's placer puts it: a GPU wherever one is visible."""
+    """A barrier where XLA compiles for a GPU (or a TPU), a conditional for a CPU; an op
+    without a device goes where TensorFlow's placer puts it: a GPU wherever one is visible.
+    Asking starts no runtime (in a TF1 graph, before any session: the context stays
+    uninitialized)."""
     graph = tf.Graph()
     with graph.as_default():
         with tf.device("/CPU:0"):
@@ -658,9 +722,25 @@ def test_barriers_kept_follows_the_compiling_device():
         with tf.device("/job:localhost/replica:0/task:0/device:GPU:0"):
             on_gpu = tf.constant(0.0)
         anywhere = tf.constant(0.0)
-    assert not ordering.barriers_kept(on_cpu)
+        with tf.device("/device:XLA_CPU:0"):
+            on_xla_cpu = tf.constant(0.0)
+    assert not ordering.barriers_kept(on_cpu) and not ordering.barriers_kept(on_xla_cpu)
     assert ordering.barriers_kept(on_gpu)
-    assert ordering.barriers_kept(anywhere) == bool(tf.config.list_logical_devices("GPU"))
+    assert ordering.barriers_kept(anywhere) == bool(tf.config.get_visible_devices("GPU"))
+    asked = children.run_json(_ASK_IN_A_TF1_GRAPH, preamble="")
+    assert asked == {"before": False, "after": False}, asked
+
+
+_ASK_IN_A_TF1_GRAPH = """
+import json
+import tensorflow as tf
+from tensorflow.python.eager import context
+tf.compat.v1.disable_v2_behavior()
+from memsave_grads._tf import ordering
+before = context.context()._context_handle is not None
+ordering.barriers_kept(tf.constant(0.0))
+print(json.dumps({"before": before, "after": context.context()._context_handle is not None}))
+"""
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Iterable, Sequence
 
 import tensorflow as tf
@@ -159,7 +160,7 @@ def materialized(tensors: Sequence[tf.Tensor], zero: tf.Tensor) -> list[tf.Tenso
 
     How depends on the compiler (:func:`barriers_kept`): for a GPU, an
     ``XlaOptimizationBarrier`` of the tensor and ``zero``, which the GPU compiler keeps until
-    after scheduling and which costs nothing when it runs; for the CPU, whose compiler removes
+    after scheduling and which needs no round trip to the host; for the CPU, whose compiler removes
     barriers before fusion, a conditional on ``zero == 0`` whose two branches pass the value on,
     which XLA cannot resolve at compile time and into whose operand it fuses nothing. On a GPU
     each conditional is a round trip to the host (its predicate is read back before a branch
@@ -173,7 +174,7 @@ def materialized(tensors: Sequence[tf.Tensor], zero: tf.Tensor) -> list[tf.Tenso
     if barriers_kept(zero):
         # pylint: disable-next=import-outside-toplevel  # XLA's op wrappers: only when used
         from tensorflow.compiler.tf2xla.ops import gen_xla_ops
-        _register_barrier_gradient()
+        register_barrier_gradient()
         # The zero is ordering only: no gradient flows into the arrival's reads.
         waited = tf.stop_gradient(zero)
         return [gen_xla_ops.xla_optimization_barrier([t, waited], name="materialized")[0]
@@ -188,25 +189,40 @@ def materialized(tensors: Sequence[tf.Tensor], zero: tf.Tensor) -> list[tf.Tenso
 
 def barriers_kept(t: tf.Tensor) -> bool:
     """Whether XLA compiles ``t``'s op for a device whose compiler keeps an
-    ``XlaOptimizationBarrier`` through fusion and scheduling: not the CPU, whose compiler
-    expands barriers away before fusion (then :func:`materialized` builds a conditional).
-    The device is the op's own where it names one, else a GPU wherever one is visible,
-    as TensorFlow's placer chooses. A step placed on the CPU of a machine with a GPU
-    (``with tf.device("/CPU:0")`` around the call alone) still gets barriers: exact, but it
-    keeps what a conditional would have kept the CPU from rebuilding."""
+    ``XlaOptimizationBarrier`` through fusion and scheduling: not a CPU (``CPU``,
+    ``XLA_CPU``), whose compiler expands barriers away before fusion (then
+    :func:`materialized` builds a conditional).
+
+    The device is the op's own where it names a device type, else a GPU wherever this process
+    sees one (``tf.config.get_visible_devices``, which starts no runtime). Where that guess is wrong the
+    gradients are still exact, and only the saving or the speed suffers: a step placed on the
+    CPU of a machine with a GPU by a device scope around its call alone gets barriers, which
+    its compiler removes; a coordinator without a GPU that builds a step for GPU workers, with
+    no device named, gets conditionals."""
     device_type = tf.DeviceSpec.from_string(t.op.device or "").device_type
     if device_type:
-        return device_type.upper() != "CPU"
-    return bool(tf.config.list_logical_devices("GPU"))
+        return not device_type.upper().endswith("CPU")
+    return bool(tf.config.get_visible_devices("GPU"))
 
 
-def _register_barrier_gradient() -> None:
+def register_barrier_gradient() -> None:
     """Give ``XlaOptimizationBarrier`` its gradient, the identity (TensorFlow registers none),
-    once, on first use: for tf.gradients and for tapes alike, which look it up by op type."""
-    try:
-        ops.gradient_registry.lookup("XlaOptimizationBarrier")
-    except LookupError:
-        ops.RegisterGradient("XlaOptimizationBarrier")(_barrier_gradient)
+    under its op type, for tf.gradients and tapes alike (a tape looks gradients up by op type
+    alone, so ``gradient_override_map`` would not reach it). Once, on first use, not at import;
+    a gradient someone registered before is left as it is. A process that differentiates a
+    loaded SavedModel holding these barriers needs it too (docs/usage.md, "Under XLA")."""
+    with _REGISTERING:
+        try:
+            ops.gradient_registry.lookup("XlaOptimizationBarrier")
+        except LookupError:
+            try:
+                ops.RegisterGradient("XlaOptimizationBarrier")(_barrier_gradient)
+            except KeyError:  # registered meanwhile, outside this lock
+                pass
+
+
+#: Two threads tracing at once must not both register (the registry refuses a second one).
+_REGISTERING = threading.Lock()
 
 
 def _barrier_gradient(op, *grads):  # pylint: disable=unused-argument
