@@ -160,11 +160,11 @@ def materialized(tensors: Sequence[tf.Tensor], zero: tf.Tensor) -> list[tf.Tenso
 
     How depends on the compiler (:func:`barriers_kept`): for a GPU, an
     ``XlaOptimizationBarrier`` of the tensor and ``zero``, which the GPU compiler keeps until
-    after scheduling and which needs no round trip to the host; for the CPU, whose compiler removes
-    barriers before fusion, a conditional on ``zero == 0`` whose two branches pass the value on,
-    which XLA cannot resolve at compile time and into whose operand it fuses nothing. On a GPU
-    each conditional is a round trip to the host (its predicate is read back before a branch
-    runs), hence the barrier there.
+    after scheduling; for the CPU, whose compiler removes barriers before fusion, a conditional
+    on ``zero == 0`` whose two branches pass the value on, which XLA cannot resolve at compile
+    time and into whose operand it fuses nothing. On a GPU each conditional is a round trip to
+    the host (its predicate is read back before a branch runs), which a barrier does not need:
+    1.79x against 1.17x tf.gradients' step time on an H200 (docs/gpu.md).
 
     One per tensor, not one for all: an op's gradient gives each output that receives none a
     gradient of zeros, so a shared one turned the ``None`` gradient of a kept tensor read only
@@ -194,11 +194,11 @@ def barriers_kept(t: tf.Tensor) -> bool:
     :func:`materialized` builds a conditional).
 
     The device is the op's own where it names a device type, else a GPU wherever this process
-    sees one (``tf.config.get_visible_devices``, which starts no runtime). Where that guess is wrong the
-    gradients are still exact, and only the saving or the speed suffers: a step placed on the
-    CPU of a machine with a GPU by a device scope around its call alone gets barriers, which
-    its compiler removes; a coordinator without a GPU that builds a step for GPU workers, with
-    no device named, gets conditionals."""
+    sees one (``tf.config.get_visible_devices``, which starts no runtime). Where that guess is
+    wrong the gradients are still exact, and only the saving or the speed suffers: a step
+    placed on the CPU of a machine with a GPU by a device scope around its call alone gets
+    barriers, which its compiler removes; a coordinator without a GPU that builds a step for
+    GPU workers, with no device named, gets conditionals."""
     device_type = tf.DeviceSpec.from_string(t.op.device or "").device_type
     if device_type:
         return not device_type.upper().endswith("CPU")

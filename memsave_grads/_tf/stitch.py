@@ -115,8 +115,8 @@ class CallOptions:
       xla: the step is compiled by XLA (``ordering.xla_in_effect``): copies also wait for
         their gradients through dataflow.
       materialize: the step is certainly compiled by XLA (``ordering.compiled_by_xla``): each
-        level's boundaries and incoming gradients also pass through conditionals
-        (``ordering.materialized``; design note "memory under XLA").
+        level's boundaries and incoming gradients also pass through conditionals, or barriers
+        for a GPU (``ordering.materialized``; design note "memory under XLA").
     """
 
     user_stops: Sequence[tf.Tensor]
@@ -294,10 +294,10 @@ def _read_gradients_passed_on(state: _Backprop, kept_nodes: Sequence[int]) -> li
 
 def _materialized(boundaries: Mapping, active: list, arrival: tf.Tensor) -> Mapping:
     """Pass a level's floating boundaries that sum activations (``ordering.sums_activations``)
-    and its dense incoming gradients each through a conditional on the arrival zero
-    (``ordering.materialized``; design note "memory under XLA"): what the copies read instead
-    of the boundaries, ``{ref: tensor}``; ``active``'s gradients are replaced in place by
-    theirs. XLA then reads each checkpoint and each
+    and its dense incoming gradients each through a conditional on the arrival zero, or a
+    barrier with it for a GPU (``ordering.materialized``; design note "memory under XLA"):
+    what the copies read instead of the boundaries, ``{ref: tensor}``; ``active``'s gradients
+    are replaced in place by theirs. XLA then reads each checkpoint and each
     gradient sum from a buffer instead of fusing the elementwise chain that made it (a
     residual stream, forward or backward) into every reader. The differentiated readers stay
     the boundaries, so the partials are read off there as before."""
@@ -346,20 +346,20 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
     if state.options.xla and to_copy:
         with tf.name_scope(f"{scope}/arrival"):
             arrival = ordering.gradient_arrival(incoming)
-    copy_inputs, conditional_ops = boundaries, []
+    copy_inputs, materializing_ops = boundaries, []
     if state.options.materialize and arrival is not None:
         graph = arrival.graph
         ops_before = len(graph.get_operations())
         with tf.name_scope(f"{scope}/arrival"):
             copy_inputs = _materialized(boundaries, active, arrival)
-        conditional_ops = graph.get_operations()[ops_before:]
+        materializing_ops = graph.get_operations()[ops_before:]
     copies = rewrite.copy_ops(to_copy, scope, control, replacements=copy_inputs,
                               arrival=arrival, replay=exposure.replay_copy)
-    # The conditional belongs to the copied region, as the waiting stand-ins do (note
-    # "ordering under XLA", "Nested levels copy the stand-ins too"): a nested level's copies
-    # must read its copy of the conditional, not the conditional outside its sources, or the
-    # partials of what passes through it are lost.
-    copies.update((op, op) for op in conditional_ops)
+    # The conditional (or barrier) belongs to the copied region, as the waiting stand-ins do
+    # (note "ordering under XLA", "Nested levels copy the stand-ins too"): a nested level's
+    # copies must read its copy of it, not the one outside its sources, or the partials of
+    # what passes through it are lost.
+    copies.update((op, op) for op in materializing_ops)
     targets, target_grads, copied = [], [], []
     for k, ds in active:
         op = state.ops[k]
