@@ -452,7 +452,7 @@ def trip_count(op: tf.Operation, body, cond) -> tuple[int | None, bool]:
         # The bound must come from the loop's own variables: while_v2's iteration counter
         # (position 0) counts the body's runs, which a rewritten body may change.
         return count, any(n == count and i != WHILE_COUNTER_POSITION for n, i in leaves)
-    bound = _static_value(op.inputs[1]) if len(op.inputs) > 1 else None
+    bound = static_value(op.inputs[1]) if len(op.inputs) > 1 else None
     counts = [n for n, _ in leaves] + ([int(bound)] if bound is not None and int(bound) >= 0
                                        else [])
     return (min(counts) if counts else None), False
@@ -498,10 +498,10 @@ def _static_value_in(t, positions, op, outputs):
     body_input = outputs[i].graph.inputs[i]
     if _passes_through(outputs[i]).ref() != body_input.ref():
         return None
-    return _static_value(op.inputs[i])
+    return static_value(op.inputs[i])
 
 
-def _static_value(t: tf.Tensor):
+def static_value(t: tf.Tensor):
     """``tf.get_static_value(t)``, which also folds a ``Max``/``Min`` of constants: Keras 3
     bounds its recurrent loops by ``maximum_iterations=max(time steps)``, a reduction of a
     constant over constant axes."""

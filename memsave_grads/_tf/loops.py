@@ -175,12 +175,35 @@ _LIST_WRITES = {"TensorListSetItem": 2, "TensorListPushBack": 1}
 
 def _written_list_bytes(op: tf.Operation, iterations: int) -> int:
     """The bytes of the tensor lists loop ``op``'s body writes an element of (a TensorArray
-    of outputs: ``tf.scan``'s, a Keras recurrent layer's), each ``iterations`` elements."""
+    of outputs: ``tf.scan``'s, a Keras recurrent layer's), each as long as
+    :func:`_list_length` says."""
     graphs = function_ops.body_graphs(op)
     if not graphs:
         return 0
-    return sum(iterations * tf_graph.tensor_bytes(o.inputs[_LIST_WRITES[o.type]])
+    positions = {t.ref(): i for i, t in enumerate(graphs[0].inputs)}
+    return sum(_list_length(op, positions, o.inputs[0], iterations)
+               * tf_graph.tensor_bytes(o.inputs[_LIST_WRITES[o.type]])
                for o in graphs[0].get_operations() if o.type in _LIST_WRITES)
+
+
+def _list_length(op: tf.Operation, positions: dict, handle: tf.Tensor, iterations: int) -> int:
+    """How many elements the list behind ``handle`` (a list a body of loop ``op`` writes)
+    holds: the size it was reserved with before the loop where that is a constant (a Keras 3
+    recurrent layer that returns only its last output writes every step into a list of one,
+    ``return_all_outputs=False``), else one an iteration (a list the body grows, or one of
+    unknown size)."""
+    while handle.op.type in _LIST_WRITES or handle.op.type == "Identity":
+        handle = handle.op.inputs[0]  # back through the body's earlier writes to its input
+    position = positions.get(handle.ref())
+    if position is None or position >= len(op.inputs):
+        return iterations
+    reserved = op.inputs[position]
+    while reserved.op.type == "Identity":
+        reserved = reserved.op.inputs[0]
+    if reserved.op.type != "TensorListReserve":
+        return iterations
+    size = function_ops.static_value(reserved.op.inputs[1])
+    return iterations if size is None or int(size) < 0 else int(size)
 
 
 def chosen(region: Iterable[tf.Operation]) -> dict:
