@@ -10,7 +10,9 @@ Phase 1 measures peaks, several processes at once (a process's allocator peak is
 parallel processes do not disturb it): the peer table's cells (``bench.xla``: the Transformer and
 the conv ResNet, four methods, with and without ``jit_compile``), then Keras 3 ``train_on_batch``
 stock against ``wrap_model`` (ResNet50 64x64 batch 256, Transformer encoder batch 128). Phase 2
-runs alone, for times: the demo, each compilation's step times in turns, and the variants below.
+runs alone, for times: the demo, each compilation's step times in turns, the variants below,
+and the two Keras 3 steps' first steps (tracing and compiling) and step times, stock against
+``wrap_model``.
 Each result is one JSON line on stdout and in ``$OUT/results.jsonl`` (``$OUT`` or /tmp/out), as
 it comes, so a run cut short keeps what it measured.
 
@@ -101,8 +103,41 @@ def _variant(name: str):
         stitch._materialized, ordering.materialized, ordering.barriers_kept = saved
 
 
+def _keras_times(request: dict) -> dict:
+    """A Keras 3 model of ``fit_limit_models``, stock and under ``wrap_model`` (Keras' default
+    ``jit_compile="auto"``): each first ``train_on_batch`` (tracing, compiling, running) in
+    seconds, then their step times in turns."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import memsave_grads as mg  # pylint: disable=import-outside-toplevel
+    from memsave_grads import measure  # pylint: disable=import-outside-toplevel
+    from memsave_grads.bench import fit_limit_models  # pylint: disable=import-outside-toplevel
+    batch, rng = request["batch"], np.random.default_rng(0)
+    build = getattr(fit_limit_models, request["model"])
+    stock, wrapped = build(batch), build(batch)
+    mg.wrap_model(wrapped)
+    if request["model"] == "resnet50":
+        x = rng.standard_normal((batch, 64, 64, 3)).astype("float32")
+        y = rng.integers(0, 100, batch)
+    else:
+        x = rng.integers(0, 1000, (batch, 128)).astype("int32")
+        y = rng.integers(0, 1000, (batch, 128))
+    first = {}
+    for name, model in (("stock", stock), ("wrap_model", wrapped)):
+        start = time.perf_counter()
+        model.train_on_batch(x, y)
+        first[name] = time.perf_counter() - start
+    seconds = measure.interleaved_median_seconds(
+        [lambda: stock.train_on_batch(x, y), lambda: wrapped.train_on_batch(x, y)],
+        repeats=request["repeats"])
+    return {"first_step_s": first, "step_ms": {"stock": seconds[0] * 1e3,
+                                               "wrap_model": seconds[1] * 1e3},
+            "jit_compile": [str(stock.jit_compile), str(wrapped.jit_compile)]}
+
+
 def _cell(request: dict) -> dict:
     _one_region(request["region_mib"])
+    if request["measure"] == "keras_times":
+        return _keras_times(request)
     from memsave_grads.bench import xla  # pylint: disable=import-outside-toplevel
     from memsave_grads import measure  # pylint: disable=import-outside-toplevel
     spec = request["spec"]
@@ -205,6 +240,13 @@ class Run:
                    "step_peak_mib": mib(a.step_peak_bytes), "error": a.error,
                    "wall_s": round(time.time() - t, 1)})
 
+    def keras_times(self, source, batch) -> None:
+        t = time.time()
+        result = self.child({"measure": "keras_times", "model": source.split(":")[1],
+                             "batch": batch, "repeats": 3 if self.quick else 10})
+        self.emit({"cell": "keras_time", "model": f"{source.split(':')[1]} b{batch}", **result,
+                   "wall_s": round(time.time() - t, 1)})
+
     def shell(self, name, command, timeout) -> None:
         t = time.time()
         try:
@@ -251,6 +293,9 @@ class Run:
                     entries += [[xla.MEMORY, v] for v in VARIANTS[1:]]
                 if self.left() > 60:
                     self.times(*spec, jit, entries)
+        for source, batch in keras:
+            if self.left() > 90:
+                self.keras_times(source, batch)
         self.emit({"cell": "end", "left_s": round(self.left(), 1)})
 
 
