@@ -189,8 +189,8 @@ def _force_loop_plan(monkeypatch, kind):
     whatever the model would choose at this size."""
     original = loops.plan
 
-    def plan(op):
-        found = original(op)
+    def plan(op, region=None):
+        found = original(op, region)
         return loops.LoopPlan(2 if kind == "while_unrolled" else 1,
                               found.saved_bytes if found else 0)
 

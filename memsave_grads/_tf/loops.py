@@ -18,7 +18,7 @@ import dataclasses
 import itertools
 import logging
 import threading
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
@@ -130,23 +130,29 @@ def _unrollable(body, outputs) -> bool:
     return not any(op in tainted for op in seeds)
 
 
-def plan(op: tf.Operation) -> LoopPlan | None:
+def plan(op: tf.Operation, region: Collection[tf.Operation] | None = None
+         ) -> LoopPlan | None:
     """How to recompute ``op``'s body, or None where that does not store at most
     :data:`RECOMPUTED_LOOP_FRACTION` of what its gradient stores otherwise
     (``function_ops.gradient_facts``). The unroll is the divisor k of the trip count that
     stores least, ``trip_count / k`` replays' inputs plus one replay of k iterations (about
-    sqrt(trip count) on a loop over equal layers); 1 where the trip count is not fixed."""
+    sqrt(trip count) on a loop over equal layers); 1 where the trip count is not fixed.
+
+    ``region``: the forward ops being differentiated (``tf_graph.forward_region``), which tell
+    the tensor lists the body reads whose gradients are made (:func:`_list_copy_bytes`);
+    default: every list the body reads."""
     facts = function_ops.gradient_facts(op)
     loop = facts.loop if facts is not None else None
     if loop is None or not facts.saved_bytes:
         return None
 
     # Under XLA a replay of k iterations holds a copy of each tensor list the body writes
-    # per write (the list the replay started from is kept for its gradient): k copies. A
-    # tf.scan of 400 steps (12.5 MiB of outputs): k = 1 38.4 MiB, 2 44.7, 10 140.2; at 800
-    # steps k = 10 peaked above tf.gradients (428 against 326 MiB).
-    written_list_bytes = (_written_list_bytes(op, loop.iterations)
-                          if ordering.xla_in_effect(op.graph) else 0)
+    # per write (the list the replay started from is kept for its gradient), and of the
+    # gradient of each list it reads: k copies. A tf.scan of 400 steps (12.5 MiB of
+    # outputs): k = 1 38.4 MiB, 2 44.7, 10 140.2; at 800 steps k = 10 peaked above
+    # tf.gradients (428 against 326 MiB).
+    list_bytes = (_list_copy_bytes(op, loop.iterations, region)
+                  if ordering.xla_in_effect(op.graph) else 0)
 
     def stored(k):
         # The replays' inputs and every iteration's state are stored; one replay of k
@@ -154,7 +160,7 @@ def plan(op: tf.Operation) -> LoopPlan | None:
         # replay: _merged_reads), are alive while it runs.
         replays = -(-loop.iterations // k)
         return (replays * loop.input_bytes + loop.iterations * loop.state_bytes
-                + k * (loop.saved_bytes + written_list_bytes) + loop.read_gradient_bytes)
+                + k * (loop.saved_bytes + list_bytes) + loop.read_gradient_bytes)
 
     candidates = [1]
     if loop.counted_condition and loop.trip_count and loop.trip_count > 1:
@@ -173,46 +179,82 @@ def plan(op: tf.Operation) -> LoopPlan | None:
 _LIST_WRITES = {"TensorListSetItem": 2, "TensorListPushBack": 1}
 
 
-def _written_list_bytes(op: tf.Operation, iterations: int) -> int:
-    """The bytes of the tensor lists loop ``op``'s body writes an element of (a TensorArray
-    of outputs: ``tf.scan``'s, a Keras recurrent layer's), each as long as
-    :func:`_list_length` says."""
+def _list_copy_bytes(op: tf.Operation, iterations: int,
+                     region: Collection[tf.Operation] | None) -> int:
+    """The bytes of the tensor lists of loop ``op`` that a replay copies per iteration under
+    XLA, each as long as :func:`_list_length` says: those the body writes an element of (a
+    TensorArray of outputs: ``tf.scan``'s, a Keras recurrent layer's), and those it reads an
+    element of whose gradient is made (a Keras layer's input sequence where an earlier layer
+    computed it; ``region`` has its producer; without ``region``, every list read). The
+    second layer of two stacked LSTMs replayed 5 steps at a time peaked at 9.1 MiB, one step
+    at a time 7.5, before its input list was counted (T = 120, 128 units, batch 16)."""
     graphs = function_ops.body_graphs(op)
     if not graphs:
         return 0
     positions = {t.ref(): i for i, t in enumerate(graphs[0].inputs)}
-    return sum(_list_length(op, positions, o.inputs[0], iterations)
-               * tf_graph.tensor_bytes(o.inputs[_LIST_WRITES[o.type]])
-               for o in graphs[0].get_operations() if o.type in _LIST_WRITES)
+    total = 0
+    for o in graphs[0].get_operations():
+        if o.type in _LIST_WRITES:
+            grows = o.type == "TensorListPushBack" or (
+                o.type == "TensorListSetItem" and _attr(o, "resize_if_index_out_of_bounds"))
+            total += (_list_length(op, positions, o.inputs[0], iterations, grows)
+                      * tf_graph.tensor_bytes(o.inputs[_LIST_WRITES[o.type]]))
+        elif o.type == "TensorListGetItem":
+            source = _loop_input(op, positions, o.inputs[0])
+            if source is not None and source.dtype == tf.variant and (
+                    region is None or source.op in region):
+                total += (_list_length(op, positions, o.inputs[0], iterations)
+                          * tf_graph.tensor_bytes(o.outputs[0]))
+    return total
 
 
-def _list_length(op: tf.Operation, positions: dict, handle: tf.Tensor, iterations: int) -> int:
-    """How many elements the list behind ``handle`` (a list a body of loop ``op`` writes)
-    holds: the size it was reserved with before the loop where that is a constant (a Keras 3
-    recurrent layer that returns only its last output writes every step into a list of one,
-    ``return_all_outputs=False``), else one an iteration (a list the body grows, or one of
-    unknown size)."""
+def _loop_input(op: tf.Operation, positions: dict, handle: tf.Tensor) -> tf.Tensor | None:
+    """The input of loop ``op`` that ``handle`` (a list in its body) was passed in as, back
+    through the body's earlier writes and identities, and identities before the loop; None
+    where the list is made in the body."""
     while handle.op.type in _LIST_WRITES or handle.op.type == "Identity":
-        handle = handle.op.inputs[0]  # back through the body's earlier writes to its input
+        handle = handle.op.inputs[0]
     position = positions.get(handle.ref())
     if position is None or position >= len(op.inputs):
+        return None
+    source = op.inputs[position]
+    while source.op.type == "Identity":
+        source = source.op.inputs[0]
+    return source
+
+
+def _list_length(op: tf.Operation, positions: dict, handle: tf.Tensor, iterations: int,
+                 grows: bool = False) -> int:
+    """How many elements the list behind ``handle`` (a list a body of loop ``op`` reads or
+    writes) holds: the size it was reserved with before the loop where that is a constant (a
+    Keras 3 recurrent layer that returns only its last output writes every step into a list of
+    one, ``return_all_outputs=False``), else one an iteration (a list of unknown size). A list
+    the body ``grows`` (pushes onto, or sets past its end) gains one an iteration besides."""
+    source = _loop_input(op, positions, handle)
+    if source is None or source.op.type != "TensorListReserve":
         return iterations
-    reserved = op.inputs[position]
-    while reserved.op.type == "Identity":
-        reserved = reserved.op.inputs[0]
-    if reserved.op.type != "TensorListReserve":
+    size = function_ops.static_value(source.op.inputs[1])
+    if size is None or int(size) < 0:
         return iterations
-    size = function_ops.static_value(reserved.op.inputs[1])
-    return iterations if size is None or int(size) < 0 else int(size)
+    return int(size) + iterations if grows else int(size)
+
+
+def _attr(op: tf.Operation, name: str):
+    try:
+        return op.get_attr(name)
+    except ValueError:
+        return None
 
 
 def chosen(region: Iterable[tf.Operation]) -> dict:
     """The loops of ``region`` whose bodies a memory-saving strategy recomputes, with their
     :class:`LoopPlan`."""
     plans = {}
+    region = list(region)
+    members = frozenset(region)
     for op in region:
         if op.type in op_types.WHILE_OP_TYPES and eligible(op):
-            found = getattr(op, _RECOMPUTED_ATTR, None) or plan(op)
+            found = getattr(op, _RECOMPUTED_ATTR, None) or plan(op, members)
             if found is not None:
                 plans[op] = found
     return plans
