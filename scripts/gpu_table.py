@@ -104,23 +104,15 @@ def _variant(name: str):
 
 
 def _keras_times(request: dict) -> dict:
-    """A Keras 3 model of ``fit_limit_models``, stock and under ``wrap_model`` (Keras' default
-    ``jit_compile="auto"``): each first ``train_on_batch`` (tracing, compiling, running) in
-    seconds, then their step times in turns."""
-    import numpy as np  # pylint: disable=import-outside-toplevel
+    """A Keras 3 model argument of fit-limit (``fit_limit.build``: the model and a synthetic
+    batch), stock and under ``wrap_model`` (Keras' default ``jit_compile="auto"``): each first
+    ``train_on_batch`` (tracing, compiling, running) in seconds, then their step times in
+    turns."""
     import memsave_grads as mg  # pylint: disable=import-outside-toplevel
-    from memsave_grads import measure  # pylint: disable=import-outside-toplevel
-    from memsave_grads.bench import fit_limit_models  # pylint: disable=import-outside-toplevel
-    batch, rng = request["batch"], np.random.default_rng(0)
-    build = getattr(fit_limit_models, request["model"])
-    stock, wrapped = build(batch), build(batch)
+    from memsave_grads import fit_limit, measure  # pylint: disable=import-outside-toplevel
+    (_, stock, (x, y)), (_, wrapped, _) = (fit_limit.build(request["source"], request["batch"])
+                                           for _ in range(2))
     mg.wrap_model(wrapped)
-    if request["model"] == "resnet50":
-        x = rng.standard_normal((batch, 64, 64, 3)).astype("float32")
-        y = rng.integers(0, 100, batch)
-    else:
-        x = rng.integers(0, 1000, (batch, 128)).astype("int32")
-        y = rng.integers(0, 1000, (batch, 128))
     first = {}
     for name, model in (("stock", stock), ("wrap_model", wrapped)):
         start = time.perf_counter()
@@ -242,8 +234,8 @@ class Run:
 
     def keras_times(self, source, batch) -> None:
         t = time.time()
-        result = self.child({"measure": "keras_times", "model": source.split(":")[1],
-                             "batch": batch, "repeats": 3 if self.quick else 10})
+        result = self.child({"measure": "keras_times", "source": source, "batch": batch,
+                             "repeats": 3 if self.quick else 10})
         self.emit({"cell": "keras_time", "model": f"{source.split(':')[1]} b{batch}", **result,
                    "wall_s": round(time.time() - t, 1)})
 
