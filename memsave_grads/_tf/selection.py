@@ -57,6 +57,8 @@ class SelectionContext:
     _plain_model: graph_lib.ForwardGraph | None = None
     _workspace: list[int] | None = None
     _needs_gradient: set | None = None
+    _unknown_dimensions: bool | None = None
+    _node_sets: tuple | None = None
 
     @property
     def model(self) -> graph_lib.ForwardGraph:
@@ -87,9 +89,12 @@ class SelectionContext:
     def unknown_dimensions(self) -> bool:
         """Some forward output's size is partly guessed: an unknown dimension that no assumed
         batch size stands for counts as 1 (tf_graph.has_unsized_dimensions)."""
-        return any(tf_graph.has_unsized_dimensions(op.outputs[0].shape)
-                   for i, op in enumerate(self.region)
-                   if self.model.size_bytes[i] and op.outputs)
+        if self._unknown_dimensions is None:
+            sizes = self.model.size_bytes
+            self._unknown_dimensions = any(
+                tf_graph.has_unsized_dimensions(op.outputs[0].shape)
+                for i, op in enumerate(self.region) if sizes[i] and op.outputs)
+        return self._unknown_dimensions
 
     @property
     def assumed_batch_size(self) -> int | None:
@@ -120,7 +125,13 @@ class SelectionContext:
         return t.ref() in self._needs_gradient
 
     def node_sets(self) -> tuple[list[int], list[int], list[int]]:
-        """(candidates, must_keep, not_replayed) as node indices of :attr:`model`."""
+        """(candidates, must_keep, not_replayed) as node indices of :attr:`model` (fresh lists
+        of one computation: a planner, the plan cache and the never-worse rule each ask)."""
+        if self._node_sets is None:
+            self._node_sets = self._index_node_sets()
+        return tuple(list(nodes) for nodes in self._node_sets)
+
+    def _index_node_sets(self) -> tuple[list[int], list[int], list[int]]:
         index = {op: i for i, op in enumerate(self.region)}
         excluded = {index[op] for op in self.endpoint_ops if op in index}
         candidates = [i for i in range(len(self.region)) if i not in excluded]

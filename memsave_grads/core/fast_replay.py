@@ -309,22 +309,31 @@ def replayer(graph: graph_lib.ForwardGraph, not_replayed: Iterable[int] = (),
     """The :class:`FastReplay` of ``graph`` for these arguments, made once and kept on the
     graph model (which is immutable), so that the planners of one ``gradients()`` call (the
     cut search, the refinement, the never-worse rule) share its tables and caches."""
-    key = ("replayer", frozenset(not_replayed),
-           None if workspace_bytes is None else tuple(workspace_bytes))
+    workspace = _scratch(workspace_bytes)
+    key = ("replayer", frozenset(not_replayed), workspace)
     cache = graph_lib.memo(graph)
     if key not in cache:
-        cache[key] = FastReplay(graph, not_replayed, workspace_bytes)
+        cache[key] = FastReplay(graph, not_replayed, workspace)
     return cache[key]
 
 
 def plain_peak_bytes(graph: graph_lib.ForwardGraph,
                      workspace_bytes: Sequence[int] | None = None) -> int:
     """memory_model.plain_peak_bytes, computed once per graph model and workspace."""
-    key = ("plain", None if workspace_bytes is None else tuple(workspace_bytes))
+    workspace = _scratch(workspace_bytes)
+    key = ("plain", workspace)
     cache = graph_lib.memo(graph)
     if key not in cache:
-        cache[key] = memory_model.plain_peak_bytes(graph, workspace_bytes)
+        cache[key] = memory_model.plain_peak_bytes(graph, workspace)
     return cache[key]
+
+
+def _scratch(workspace_bytes: Sequence[int] | None) -> tuple | None:
+    """``workspace_bytes`` as a key, None where no node has scratch: the never-worse rule's
+    all-zero workspace (a graph without convolutions) then shares the planners' replays."""
+    if workspace_bytes is None or not any(workspace_bytes):
+        return None
+    return tuple(workspace_bytes)
 
 
 class _Segments:
