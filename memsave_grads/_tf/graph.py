@@ -700,6 +700,9 @@ def op_bytes(op: tf.Operation) -> int:
 
 def _elements(shape) -> int:
     """Elements of a static shape, unknown dimensions filled in as in :func:`tensor_bytes`."""
+    known = shape.num_elements()  # fully defined: most shapes, read for every op of a region
+    if known is not None:
+        return known
     count = 1
     for dim in _static_dims(shape):
         count *= dim
