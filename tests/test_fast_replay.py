@@ -84,3 +84,24 @@ def test_the_scorer_scores_as_before():
         closed, peak, cost = problem_lib.score(problem, kept)
         assert (peak, cost) == pytest.approx(_replayed(problem.graph, closed,
                                                         problem.not_replayed))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_workspace_without_scratch_shares_the_planners_replays(seed):
+    """The never-worse rule passes a workspace of zeros on graphs without convolutions: it
+    gets the replayer and plain peak the planners made (design note "planning cost", "Fifth
+    pass"), and the same numbers as the replay with those zeros; a workspace with scratch gets
+    its own."""
+    problem = random_problem(seed, low=8, high=30)
+    graph, n = problem.graph, problem.graph.num_nodes
+    zeros = [0] * n
+    planners_replayer = fast_replay.replayer(graph, problem.not_replayed)
+    assert fast_replay.replayer(graph, problem.not_replayed, zeros) is planners_replayer
+    assert fast_replay.plain_peak_bytes(graph, zeros) == fast_replay.plain_peak_bytes(graph)
+    assert fast_replay.plain_peak_bytes(graph) == memory_model.plain_peak_bytes(graph, zeros)
+    kept = graph_lib.close_segments(graph, set(problem.must_keep) | set(
+        sorted(problem.candidates)[::3]))
+    assert planners_replayer.peak_bytes(kept) == _replayed(
+        graph, kept, problem.not_replayed, zeros)[0]
+    scratch = [0] * (n - 1) + [64]
+    assert fast_replay.replayer(graph, problem.not_replayed, scratch) is not planners_replayer
