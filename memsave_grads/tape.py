@@ -26,6 +26,7 @@ import logging
 import threading
 from typing import Any, Callable, TypeVar
 
+import numpy as np
 import tensorflow as tf
 
 from memsave_grads import _validate
@@ -186,11 +187,28 @@ class GradientTape(tf.GradientTape):
 
     Raises:
       UnknownStrategyError, InvalidArgumentError, InvalidTypeError: a ``checkpoints`` or
-        ``fallback`` of the wrong form.
+        ``fallback`` of the wrong form; InvalidTypeError: a ``persistent`` or
+        ``watch_accessed_variables`` that is not ``True`` or ``False``
+        (``GradientTape("memory")`` would otherwise make a persistent tape: the strategy is
+        the keyword ``checkpoints``).
     """
 
     def __init__(self, persistent: bool = False, watch_accessed_variables: bool = True, *,
                  checkpoints: api.Checkpoints = "memory", fallback: str = "warn"):
+        for name, flag in (("persistent", persistent),
+                           ("watch_accessed_variables", watch_accessed_variables)):
+            # tf.GradientTape takes any value without a word: a string here is a strategy
+            # passed positionally, which would make a persistent tape; an int or a NumPy bool
+            # makes a tape that Python takes for persistent and TensorFlow's C++ tape does not
+            # (TF 2.21: a second gradient() raises InternalError).
+            if not isinstance(flag, bool):
+                hint = (f" A strategy or budget is the keyword argument: "
+                        f"memsave_grads.GradientTape(checkpoints={flag!r})."
+                        if isinstance(flag, str) else f" Pass {name}={bool(flag)!r}."
+                        if isinstance(flag, (int, np.bool_)) else "")
+                raise errors.InvalidTypeError(
+                    f"memsave_grads.GradientTape: {name} must be True or False; got the "
+                    f"{type(flag).__name__} {flag!r}.{hint}")
         routing = _checked_routing(checkpoints, fallback, "memsave_grads.GradientTape")
         super().__init__(persistent=persistent,
                          watch_accessed_variables=watch_accessed_variables)

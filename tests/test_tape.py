@@ -701,6 +701,24 @@ def test_bad_arguments_are_refused_where_given():
     assert not mg.is_patched() and not tape_routing.is_routing()
 
 
+@pytest.mark.parametrize("args, remedy", [
+    (("memory",), "checkpoints='memory'"), ((False, "speed"), "checkpoints='speed'"),
+    ((1,), "persistent=True"), ((False, np.False_), "watch_accessed_variables=False")])
+def test_a_flag_that_is_not_a_bool_is_refused(args, remedy):
+    """``tf.GradientTape`` takes any ``persistent``: ``GradientTape("memory")`` would make a
+    persistent tape of the default strategy, and an int or NumPy bool a tape that TensorFlow's
+    C++ side does not keep (a second ``gradient`` raises InternalError). Refused, naming the
+    remedy; a bool passes."""
+    with pytest.raises(mg.InvalidTypeError, match=r"must be True or False") as raised:
+        mg.GradientTape(*args)
+    assert remedy in str(raised.value)
+    x = tf.constant(2.0)
+    with mg.GradientTape(True, False) as tape:
+        tape.watch(x)
+        y = x * x
+    assert float(tape.gradient(y, x)) == 4.0 and float(tape.gradient(y, x)) == 4.0
+
+
 def test_routing_ends_with_its_block_and_restores_tensorflow_s_methods():
     before = {name: getattr(tf.GradientTape, name) for name in ("gradient", "watch")}
     with mg.route_tapes("memory"):
