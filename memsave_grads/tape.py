@@ -197,10 +197,10 @@ class GradientTape(tf.GradientTape):
                  checkpoints: api.Checkpoints = "memory", fallback: str = "warn"):
         for name, flag in (("persistent", persistent),
                            ("watch_accessed_variables", watch_accessed_variables)):
-            # tf.GradientTape takes any value without a word: a string here is a strategy
-            # passed positionally, which would make a persistent tape; an int or a NumPy bool
-            # makes a tape that Python takes for persistent and TensorFlow's C++ tape does not
-            # (TF 2.21: a second gradient() raises InternalError).
+            # tf.GradientTape checks neither flag: a string here is a strategy passed
+            # positionally, which would make a persistent tape; an int or a NumPy bool as
+            # persistent makes a tape that Python takes for persistent and TensorFlow's C++
+            # tape does not (TF 2.21: a second gradient() raises InternalError).
             if not isinstance(flag, bool):
                 hint = (f" A strategy or budget is the keyword argument: "
                         f"memsave_grads.GradientTape(checkpoints={flag!r})."
