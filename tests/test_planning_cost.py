@@ -103,3 +103,71 @@ def test_a_probe_stops_above_its_bound_with_a_lower_bound(seed):
                 assert probed[0] == exact[0]
             else:
                 assert bound < probed[0] <= exact[0]
+
+
+def _reference_kept_for(search, cuts):
+    """CutSearch.kept_for as it was: the frontiers of the cuts swept node by node, closed by
+    close_segments over the whole graph."""
+    kept = set(search.must_keep)
+    for live in graph_lib.frontiers(search.graph, sorted(cuts), uses=search.uses):
+        kept.update(live)
+    return graph_lib.close_segments(search.graph, kept)
+
+
+def _with_dead_ends(graph, rng):
+    """``graph`` with some of its ``y`` producers that no node reads made dead ends (nothing
+    reads them, no ``y``): the top segment owns them, as close_segments says."""
+    read = {p for preds in graph.inputs for p in preds}
+    feeds = [f and (v in read or v == graph.num_nodes - 1 or rng.random() < 0.5)
+             for v, f in enumerate(graph.feeds_sink)]
+    return dataclasses.replace(graph, feeds_sink=tuple(feeds))
+
+
+def _reference_estimates(search, cuts, kept):
+    """CutSearch.quick_bytes and held_bytes as they were, node by node."""
+    size = search.graph.size_bytes
+    bounds = [-1, *cuts, search.graph.num_nodes - 1]
+    gap = max(search.cumulative[b] - (search.cumulative[a] if a >= 0 else 0)
+              for a, b in zip(bounds, bounds[1:]))
+    quick = sum(size[v] for v in kept) + gap
+    retained = search.retained_cumulative
+    worst, previous = 0, -1
+    for cut in cuts:
+        held = sum(size[v] for v in kept if v <= previous)
+        worst = max(worst, held + retained[cut] - (retained[previous] if previous >= 0 else 0))
+        previous = cut
+    top = retained[-1] - (retained[previous] if previous >= 0 else 0)
+    return quick, max(worst, sum(size[v] for v in kept) + top)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_kept_set_of_cuts_is_the_swept_one(seed):
+    """The kept set of a set of cuts (frontiers, then single ownership) made with arrays and a
+    sweep of the ranges where two owners meet is the one the sweep over every node makes, on
+    graphs with branches, joins, dead ends, must-keep nodes and ``y``s inside the ranges; the
+    walks' estimates of a plan's peak, made with prefix sums, are the node-by-node ones."""
+    from memsave_grads.core import planners  # pylint: disable=import-outside-toplevel
+    rng = random.Random(seed)
+    problem = random_problem(seed, low=6, high=80)
+    graph = _with_dead_ends(problem.graph, rng) if seed % 2 else problem.graph
+    search = planners.CutSearch(graph, problem.must_keep, problem.candidates)
+    n = graph.num_nodes
+    for _ in range(12):
+        cuts = tuple(sorted(rng.sample(range(n), rng.randint(0, min(n, 12)))))
+        kept = search.kept_for(cuts)
+        assert kept == _reference_kept_for(search, cuts), cuts
+        assert (search.quick_bytes(cuts, kept), search.held_bytes(cuts, kept)) == \
+            _reference_estimates(search, cuts, kept)
+    for position in search.positions():
+        assert search.kept_for((position,)) == _reference_kept_for(search, (position,))
+
+
+@settings(max_examples=150, deadline=None)
+@given(graph=dags(min_nodes=2, max_nodes=40), data=st.data())
+def test_the_kept_set_of_cuts_is_the_swept_one_on_any_dag(graph, data):
+    from memsave_grads.core import planners  # pylint: disable=import-outside-toplevel
+    n = graph.num_nodes
+    must = data.draw(st.frozensets(st.integers(0, n - 1), max_size=3))
+    search = planners.CutSearch(graph, must, range(n))
+    cuts = tuple(sorted(data.draw(st.frozensets(st.integers(0, n - 1), max_size=8))))
+    assert search.kept_for(cuts) == _reference_kept_for(search, cuts)

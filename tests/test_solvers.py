@@ -11,12 +11,14 @@ import pytest
 
 from memsave_grads.core.solvers import problem as problem_lib
 from memsave_grads import errors
+from memsave_grads.core import fast_replay
 from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
 from memsave_grads.core import planners
 from memsave_grads.core import solvers
 from memsave_grads.core.solvers import greedy as greedy_lib
 from memsave_grads.core.solvers import milp as milp_lib
+from memsave_grads.core.solvers import revolve
 from strategies import chain, matmul_tanh_problem, random_problem
 
 
@@ -434,3 +436,68 @@ def test_milp_answers_on_graphs_larger_than_it_builds():
     greedy = solvers.solve_greedy(problem.with_budget(budget))
     assert plan.predicted_peak_bytes <= budget and not plan.optimal
     assert plan.recompute_cost <= greedy.recompute_cost
+
+
+def _reference_revolve(chain, need, held, quanta):
+    """The revolve recursion of ``revolve._revolve_table``'s docstring, pair by pair and amount
+    by amount: (least cost, first cut) of ``(p_i, p_j]`` with q units free; plain wins ties,
+    and the first cut of least cost among cuts."""
+    m2 = len(chain.pos)
+    bk = np.full((m2, m2, quanta + 1), np.inf)
+    first = np.full((m2, m2, quanta + 1), -1)
+    for length in range(1, m2):
+        for i in range(m2 - length):
+            j = i + length
+            for q in range(quanta + 1):
+                best, cut = (0.0 if q >= need[i, j] else np.inf), -1
+                for d in range(i + 1, j):
+                    if q - held[d] < 0:
+                        continue
+                    value = (chain.cost[i, d] + bk[i, d, q]) + bk[d, j, q - held[d]]
+                    if value < best:
+                        best, cut = value, d
+                bk[i, j, q], first[i, j, q] = best, cut
+    return bk, first
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_revolve_table_is_the_recursion(seed):
+    """The revolve DP's table (by offset, candidates read through strided views) holds the
+    recursion's least costs and first cuts for every amount of memory, and rebuilds its
+    trees."""
+    problem = random_problem(seed, low=20, high=70)
+    search = planners.CutSearch.of(problem.graph, problem.must_keep, problem.candidates)
+    if not search.feasible:
+        pytest.skip("no position to cut")
+    chain = revolve._Chain(problem, search, search.positions(9))
+    plain = fast_replay.plain_peak_bytes(problem.graph)
+    for fraction in (0.4, 0.8):
+        table = revolve._revolve_table(chain, int(fraction * plain), quanta=24)
+        if table is None:
+            continue
+        need = np.ceil(chain.base / table.unit - 1e-9)
+        bk, first = _reference_revolve(chain, need, table.held, table.quanta)
+        m2 = len(chain.pos)
+        np.testing.assert_array_equal(table.costs, bk[0, m2 - 1])
+        for i in range(m2):
+            for j in range(i + 1, m2):
+                np.testing.assert_array_equal(table.choice[i, j - i], first[i, j])
+        for q in range(table.quanta + 1):
+            assert _tree_lists(table.tree(q)) == _reference_tree(first, table.held, 0, m2 - 1, q)
+
+
+def _tree_lists(tree):
+    return list(tree.cuts), [_tree_lists(s) for s in tree.segments]
+
+
+def _reference_tree(first, held, i, j, q):
+    """The cut tree of the recursion's first cuts: cut d, the part before it one level deeper
+    with the same memory, the rest with d's frontier held."""
+    cuts, segments = [], []
+    while first[i, j, q] >= 0:
+        d = int(first[i, j, q])
+        cuts.append(d)
+        segments.append(_reference_tree(first, held, i, d, q))
+        q -= int(held[d])
+        i = d
+    return cuts, segments

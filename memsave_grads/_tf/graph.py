@@ -12,6 +12,7 @@ import collections
 import contextlib
 import contextvars
 import heapq
+import math
 import weakref
 from typing import Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
 
@@ -700,9 +701,11 @@ def op_bytes(op: tf.Operation) -> int:
 
 def _elements(shape) -> int:
     """Elements of a static shape, unknown dimensions filled in as in :func:`tensor_bytes`."""
-    known = shape.num_elements()  # fully defined: most shapes, read for every op of a region
-    if known is not None:
-        return known
+    if shape.rank is None:
+        return 1
+    dims = shape.as_list()
+    if None not in dims:  # fully defined: most shapes, read for every op of a region
+        return math.prod(dims)
     count = 1
     for dim in _static_dims(shape):
         count *= dim

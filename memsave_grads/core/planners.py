@@ -8,6 +8,7 @@ returns a :class:`~memsave_grads.core.plan.Plan`. Planners never touch TensorFlo
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import logging
 from typing import Iterable, Sequence
@@ -127,6 +128,7 @@ class CutSearch:
                  candidates: Iterable[int]):
         self._cuts: dict[int, tuple] = {}
         self._kept: dict[tuple, set] = {}
+        self._cut_arrays: _CutArrays | None = None
         self.graph = graph
         self.must_keep = set(must_keep)
         candidate_set = set(candidates) | self.must_keep
@@ -197,43 +199,121 @@ class CutSearch:
         return self._cuts[key]
 
     def kept_for(self, cuts: Iterable[int]) -> set:
-        """The live frontiers of ``cuts`` plus ``must_keep``, closed for single ownership."""
+        """The live frontiers of ``cuts`` plus ``must_keep``, closed for single ownership
+        (``graph_lib.close_segments``' set, made by :meth:`_kept_for`)."""
         cuts = tuple(sorted(cuts))
         if cuts not in self._kept:
-            kept = set(self.must_keep)
-            for live in graph_lib.frontiers(self.graph, cuts, uses=self.uses):
-                kept.update(live)
-            self._kept[cuts] = frozenset(graph_lib.close_segments(self.graph, kept))
+            self._kept[cuts] = frozenset(self._kept_for(cuts))
         return set(self._kept[cuts])
+
+    def _kept_for(self, cuts: tuple) -> set:
+        """:meth:`kept_for` in a few array operations, the searches' thousands of plans
+        costing a sweep over every node each no more (design note "planning cost").
+
+        A node is in some cut's frontier when the first cut at or after it comes before its
+        last reader. What the frontiers do not keep, cut ``i`` is read only between cut
+        ``i - 1`` and cut ``i`` (a reader after cut ``i`` would put the node in its
+        frontier), so closing the set for single ownership is a matter of each such range
+        alone: a node is kept only where two owners meet, and where the nodes of a range
+        that are not kept read into at most one owner between them (a kept node of the
+        range, or the top segment above the ``ys`` or beyond a node no one reads), none of
+        them can meet two. Only ranges with two or more go through ``close_segments``' sweep,
+        restricted to the range: the set is the one the sweep over the whole graph makes."""
+        arrays = self._arrays()
+        n = self.graph.num_nodes
+        cut_array = np.asarray(cuts, dtype=np.int64)
+        # Each node's range: the first cut at or after it (len(cuts): the top segment's).
+        range_of = np.searchsorted(cut_array, arrays.nodes)
+        kept = arrays.must_keep.copy()
+        if len(cuts):
+            first_cut = cut_array[np.minimum(range_of, len(cuts) - 1)]
+            kept |= (range_of < len(cuts)) & (first_cut < arrays.uses)
+        owners_read = ~kept[arrays.edge_from] & kept[arrays.edge_to]
+        pairs = np.unique(range_of[arrays.edge_from[owners_read]] * n
+                          + arrays.edge_to[owners_read])
+        count = np.bincount(pairs // n, minlength=len(cuts) + 1)
+        count[np.unique(range_of[~kept & arrays.to_top])] += 1
+        kept_set = set(np.flatnonzero(kept).tolist())
+        for conflicted in np.flatnonzero(count > 1).tolist():
+            members = np.flatnonzero(range_of == conflicted).tolist()
+            kept_set = graph_lib.close_segments(
+                self.graph, kept_set, members=members,
+                sinks=[v for v in members if self.graph.feeds_sink[v]])
+        return kept_set
+
+    def _arrays(self) -> "_CutArrays":
+        if self._cut_arrays is None:
+            graph, n = self.graph, self.graph.num_nodes
+            consumers = graph.consumers()
+            edges = [(p, c) for c in range(n) for p in set(graph.inputs[c])]
+            must_keep = np.zeros(n, dtype=bool)
+            must_keep[list(self.must_keep)] = True
+            self._cut_arrays = _CutArrays(
+                nodes=np.arange(n, dtype=np.int64),
+                uses=np.asarray(self.uses, dtype=np.int64),
+                must_keep=must_keep,
+                edge_from=np.asarray([p for p, _ in edges], dtype=np.int64),
+                edge_to=np.asarray([c for _, c in edges], dtype=np.int64),
+                to_top=np.asarray([bool(graph.feeds_sink[v]) or not consumers[v]
+                                   for v in range(n)], dtype=bool),
+                size=np.asarray(graph.size_bytes, dtype=np.int64),
+                # Prefix sums with a leading 0: the sum over (a, b] is [b + 1] - [a + 1].
+                cumulative=np.asarray(self.cumulative, dtype=np.int64),
+                retained_cumulative=np.concatenate(
+                    ([0], np.asarray(self.retained_cumulative, dtype=np.int64))))
+        return self._cut_arrays
 
     def quick_bytes(self, cuts: Sequence[int], kept: Iterable[int]) -> int:
         """A fast estimate of a plan's peak: kept bytes plus the largest gap between cuts."""
-        bounds = [-1, *cuts, self.graph.num_nodes - 1]
-        gap = max(self.cumulative[b] - (self.cumulative[a] if a >= 0 else 0)
-                  for a, b in zip(bounds, bounds[1:]))
-        return sum(self.graph.size_bytes[v] for v in kept) + gap
+        arrays = self._arrays()
+        bounds = np.asarray([*cuts, self.graph.num_nodes - 1], dtype=np.int64)
+        ends = arrays.cumulative[bounds]
+        gap = int(np.max(ends - np.concatenate(([0], ends[:-1]))))
+        return int(arrays.size[self._kept_array(kept)].sum()) + gap
 
     def held_bytes(self, cuts: Sequence[int], kept: Iterable[int]) -> int:
         """A fast estimate of a plan's peak that knows the backward order: while a segment is
         replayed, only the kept nodes before it are held (a kept node is freed when its own
         level starts), beside what the segment retains; the top segment runs with every kept
         node held. The largest of these sums (design note "tapered cuts")."""
-        size = self.graph.size_bytes
-        kept_positions = sorted(kept)
-        kept_before = list(itertools.accumulate(size[v] for v in kept_positions))
-        retained = self.retained_cumulative
+        arrays = self._arrays()
+        # kept_bytes[i]: the bytes of the kept nodes before position i.
+        kept_bytes = np.zeros(self.graph.num_nodes + 1, dtype=np.int64)
+        nodes = self._kept_array(kept)
+        kept_bytes[nodes + 1] = arrays.size[nodes]
+        np.cumsum(kept_bytes, out=kept_bytes)
+        # Segment i runs from after cut i-1 (-1: the start) to cut i; the top segment to the
+        # end, with every kept node held.
+        starts = np.asarray([-1, *cuts], dtype=np.int64)
+        ends = np.asarray([*cuts, self.graph.num_nodes - 1], dtype=np.int64)
+        retained = arrays.retained_cumulative
+        gaps = retained[ends + 1] - retained[starts + 1]
+        held = kept_bytes[starts + 1]
+        held[-1] = kept_bytes[-1]
+        return int(np.max(held + gaps))
 
-        def held_through(position: int) -> int:
-            count = bisect.bisect_right(kept_positions, position)
-            return kept_before[count - 1] if count else 0
+    @staticmethod
+    def _kept_array(kept: Iterable[int]) -> np.ndarray:
+        return np.fromiter(kept, dtype=np.int64)
 
-        worst, previous = 0, -1
-        for cut in cuts:
-            gap = retained[cut] - (retained[previous] if previous >= 0 else 0)
-            worst = max(worst, held_through(previous) + gap)
-            previous = cut
-        top_gap = retained[-1] - (retained[previous] if previous >= 0 else 0)
-        return max(worst, (kept_before[-1] if kept_before else 0) + top_gap)
+
+@dataclasses.dataclass(frozen=True)
+class _CutArrays:
+    """What :meth:`CutSearch._kept_for` reads, as arrays made once per search: node numbers,
+    each node's last reader (``CutSearch.uses``), ``must_keep`` as a mask, the edges (each
+    input to its reader, once), the nodes whose owner may be the top segment (a ``y``'s
+    producer, or a node no one reads), and for the estimates the nodes' bytes, the walk's
+    cumulative bytes and the retained bytes' prefix sums (a 0 first)."""
+
+    nodes: np.ndarray
+    uses: np.ndarray
+    must_keep: np.ndarray
+    edge_from: np.ndarray
+    edge_to: np.ndarray
+    to_top: np.ndarray
+    size: np.ndarray
+    cumulative: np.ndarray
+    retained_cumulative: np.ndarray
 
 
 def _proposals(search: CutSearch, tapered: bool) -> dict[tuple, tuple]:

@@ -107,7 +107,8 @@ def _revolve_dp(chain: _Chain, budget_bytes: int,
 class _Table:
     """The revolve DP's answer for every amount of free memory up to its budget:
     ``costs[q]`` is the least recompute cost of a tree whose decomposed peak is at most
-    ``must_bytes + q * unit`` (inf where none is)."""
+    ``must_bytes + q * unit`` (inf where none is); ``choice[i, o, q]``, by offset, the first
+    cut of the pair ``(i, i + o)`` at q units (``_BASE``: none)."""
 
     costs: np.ndarray
     unit: float
@@ -144,37 +145,48 @@ def _revolve_table(chain: _Chain, budget_bytes: int,
     need = np.ceil(chain.base / unit - 1e-9)  # inf stays inf
     held = np.ceil(chain.front / unit - 1e-9).astype(np.int64)
     qs = np.arange(quanta + 1)
-    bk = np.full((m2, m2, quanta + 1), np.inf)
-    choice = np.full((m2, m2, quanta + 1), _BASE, dtype=np.int32)
-    t = np.full((m2, m2, quanta + 1), np.inf)      # cost[i, d] + Bk[i, d]
-    shifted = np.full((m2, m2, quanta + 1), np.inf)  # Bk[d, j, q - F_d]
+    # The tables by offset: [i, o] stands for the pair (i, i + o). A pair's candidates are then
+    # a slice of `t` and a strided view of `shifted`, read where they lie, and every entry
+    # read was written by a shorter pair before (so no table is filled first: design note
+    # "planning cost"). Bk itself is only wanted for the whole chain.
+    choice = np.empty((m2, m2, quanta + 1), dtype=np.int32)
+    choice[:, 1] = _BASE  # a pair of adjacent positions has no cut between them
+    t = np.empty((m2, m2, quanta + 1))        # [i, o]: cost[i, i+o] + Bk[i, i+o]
+    shifted = np.empty((m2, m2, quanta + 1))  # [d, e]: Bk[d, d+e, q - F_d]
+    flat = shifted.reshape(-1)
+    s0, s1, s2 = shifted.strides
+    done = np.zeros((1, quanta + 1))
     for length in range(1, m2):
         i = np.arange(0, m2 - length)
         j = i + length
         base = np.where(qs[None, :] >= need[i, j][:, None], 0.0, np.inf)
         if length > 1:
-            offsets = np.arange(1, length)
-            d = i[:, None] + offsets[None, :]
-            cand = t[i[:, None], d] + shifted[d, j[:, None]]  # (len(i), length-1, Q+1)
-            best = np.argmin(cand, axis=1)
-            val = np.take_along_axis(cand, best[:, None, :], axis=1)[:, 0, :]
+            # d = i + o for o = 1 .. length - 1: t[i, d] is t[i, o]; shifted[d, j] is
+            # shifted[i + o, length - o], a step of (s0 - s1) bytes from one o to the next.
+            first = (s0 + (length - 1) * s1) // s2
+            later = np.lib.stride_tricks.as_strided(
+                flat[first:], shape=(m2 - length, length - 1, quanta + 1),
+                strides=(s0, s0 - s1, s2), writeable=False)
+            cand = t[:m2 - length, 1:length] + later  # (len(i), length-1, Q+1)
+            val = cand.min(axis=1)
+            best = (cand == val[:, None, :]).argmax(axis=1)  # argmin's first, in less time
             take = val < base
-            bk[i, j] = np.where(take, val, base)
-            choice[i, j] = np.where(take, i[:, None] + 1 + best, _BASE)
+            done = np.where(take, val, base)
+            choice[i, length] = np.where(take, i[:, None] + 1 + best, _BASE)
         else:
-            bk[i, j] = base
-        t[i, j] = chain.cost[i, j][:, None] + bk[i, j]
-        # shifted[d, j, q] = bk[d, j, q - held[d]] for the pairs just finished (d = i).
+            done = base
+        t[i, length] = chain.cost[i, j][:, None] + done
+        # shifted[d, j, q] = Bk[d, j, q - held[d]] for the pairs just finished (d = i).
         source = qs[None, :] - held[i][:, None]
-        values = np.take_along_axis(bk[i, j], np.clip(source, 0, quanta), axis=1)
-        shifted[i, j] = np.where(source >= 0, values, np.inf)
-    return _Table(bk[0, m2 - 1].copy(), unit, quanta, choice, held)
+        values = np.take_along_axis(done, np.clip(source, 0, quanta), axis=1)
+        shifted[i, length] = np.where(source >= 0, values, np.inf)
+    return _Table(done[0].copy(), unit, quanta, choice, held)
 
 
 def _rebuild(choice, held, i, j, q) -> multilevel.CutTree:
     cuts, segments = [], []
     while True:
-        d = int(choice[i, j, q])
+        d = int(choice[i, j - i, q])  # by offset (_Table.choice)
         if d == _BASE:
             return multilevel.CutTree(cuts, segments)
         cuts.append(d)
