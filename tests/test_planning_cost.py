@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from memsave_grads import errors
 from memsave_grads.core import fast_replay
 from memsave_grads.core import graph as graph_lib
+from memsave_grads.core import planners
 from memsave_grads.core import solvers
 from memsave_grads.core.solvers import problem as problem_lib
 from strategies import dags, random_problem
@@ -116,11 +117,23 @@ def _reference_kept_for(search, cuts):
 
 def _with_dead_ends(graph, rng):
     """``graph`` with some of its ``y`` producers that no node reads made dead ends (nothing
-    reads them, no ``y``): the top segment owns them, as close_segments says."""
+    reads them, no ``y``: the top segment owns them, as close_segments says) and some nodes
+    that others read made ``y`` producers too."""
     read = {p for preds in graph.inputs for p in preds}
-    feeds = [f and (v in read or v == graph.num_nodes - 1 or rng.random() < 0.5)
+    feeds = [(f and (v in read or v == graph.num_nodes - 1 or rng.random() < 0.5))
+             or (v in read and rng.random() < 0.15)
              for v, f in enumerate(graph.feeds_sink)]
     return dataclasses.replace(graph, feeds_sink=tuple(feeds))
+
+
+def test_a_read_y_meeting_a_kept_node_is_kept():
+    """A ``y`` producer that a kept node also reads has two owners, the top segment and the
+    kept node's segment, though no frontier keeps it (no cut): it is kept."""
+    graph = graph_lib.ForwardGraph(inputs=((), (0,), (1,)), size_bytes=(4, 4, 4),
+                                   reads_source=(True, False, False),
+                                   feeds_sink=(False, True, True))
+    search = planners.CutSearch(graph, {2}, range(3))
+    assert search.kept_for(()) == {1, 2} == _reference_kept_for(search, ())
 
 
 def _reference_estimates(search, cuts, kept):
@@ -144,9 +157,9 @@ def _reference_estimates(search, cuts, kept):
 def test_the_kept_set_of_cuts_is_the_swept_one(seed):
     """The kept set of a set of cuts (frontiers, then single ownership) made with arrays and a
     sweep of the ranges where two owners meet is the one the sweep over every node makes, on
-    graphs with branches, joins, dead ends, must-keep nodes and ``y``s inside the ranges; the
-    walks' estimates of a plan's peak, made with prefix sums, are the node-by-node ones."""
-    from memsave_grads.core import planners  # pylint: disable=import-outside-toplevel
+    graphs with branches, joins, dead ends, must-keep nodes and ``y`` producers that other
+    nodes read; the walks' estimates of a plan's peak, made with prefix sums, are the
+    node-by-node ones."""
     rng = random.Random(seed)
     problem = random_problem(seed, low=6, high=80)
     graph = _with_dead_ends(problem.graph, rng) if seed % 2 else problem.graph
@@ -165,7 +178,6 @@ def test_the_kept_set_of_cuts_is_the_swept_one(seed):
 @settings(max_examples=150, deadline=None)
 @given(graph=dags(min_nodes=2, max_nodes=40), data=st.data())
 def test_the_kept_set_of_cuts_is_the_swept_one_on_any_dag(graph, data):
-    from memsave_grads.core import planners  # pylint: disable=import-outside-toplevel
     n = graph.num_nodes
     must = data.draw(st.frozensets(st.integers(0, n - 1), max_size=3))
     search = planners.CutSearch(graph, must, range(n))

@@ -219,6 +219,9 @@ def close_segments(graph: ForwardGraph, kept: Iterable[int], members: Iterable[i
 
     ``members``/``sinks``: the same inside one recomputed region whose outputs the backward pass
     needs are ``sinks`` (design note "multi-level"): only readers among ``members`` count.
+
+    ``planners.CutSearch`` closes the frontiers of its cuts with arrays and this sweep only
+    where owners meet: a change to the rules here (which nodes the top owns) belongs there too.
     """
     top = -1
     kept = set(kept)

@@ -7,7 +7,6 @@ returns a :class:`~memsave_grads.core.plan.Plan`. Planners never touch TensorFlo
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import itertools
 import logging
@@ -200,29 +199,31 @@ class CutSearch:
 
     def kept_for(self, cuts: Iterable[int]) -> set:
         """The live frontiers of ``cuts`` plus ``must_keep``, closed for single ownership
-        (``graph_lib.close_segments``' set, made by :meth:`_kept_for`)."""
+        (``graph_lib.close_segments``' set, made by :meth:`_closed_frontiers`)."""
         cuts = tuple(sorted(cuts))
         if cuts not in self._kept:
-            self._kept[cuts] = frozenset(self._kept_for(cuts))
+            self._kept[cuts] = frozenset(self._closed_frontiers(cuts))
         return set(self._kept[cuts])
 
-    def _kept_for(self, cuts: tuple) -> set:
-        """:meth:`kept_for` in a few array operations, the searches' thousands of plans
-        costing a sweep over every node each no more (design note "planning cost").
+    def _closed_frontiers(self, cuts: tuple) -> set:
+        """:meth:`kept_for` in a few array operations: the searches score thousands of plans,
+        and a sweep over every node for each was a third of the cut search (design note
+        "planning cost").
 
-        A node is in some cut's frontier when the first cut at or after it comes before its
-        last reader. What the frontiers do not keep, cut ``i`` is read only between cut
-        ``i - 1`` and cut ``i`` (a reader after cut ``i`` would put the node in its
-        frontier), so closing the set for single ownership is a matter of each such range
-        alone: a node is kept only where two owners meet, and where the nodes of a range
-        that are not kept read into at most one owner between them (a kept node of the
-        range, or the top segment above the ``ys`` or beyond a node no one reads), none of
-        them can meet two. Only ranges with two or more go through ``close_segments``' sweep,
-        restricted to the range: the set is the one the sweep over the whole graph makes."""
+        A node is in some cut's frontier (``graph_lib.frontiers``) when the first cut at or
+        after it comes before its last reader. A node of range i (after cut i - 1, up to cut
+        i; after the last cut, the top range) that no frontier keeps is read only within its
+        range: a reader after cut i would put it in cut i's frontier. So closing the set for
+        single ownership (``graph_lib.close_segments``) is a matter of each range alone: a
+        node is kept only where two owners meet, and where the unkept nodes of a range read
+        into at most one owner between them (a kept node of the range, or the top segment,
+        which owns a ``y``'s producer and a node no one reads), none of them can meet two.
+        The ranges with two or more go through ``close_segments``' sweep, restricted to
+        them, and the set is the one the sweep over the whole graph makes."""
         arrays = self._arrays()
         n = self.graph.num_nodes
         cut_array = np.asarray(cuts, dtype=np.int64)
-        # Each node's range: the first cut at or after it (len(cuts): the top segment's).
+        # Each node's range: the first cut at or after it (len(cuts): the top range).
         range_of = np.searchsorted(cut_array, arrays.nodes)
         kept = arrays.must_keep.copy()
         if len(cuts):
@@ -231,11 +232,14 @@ class CutSearch:
         owners_read = ~kept[arrays.edge_from] & kept[arrays.edge_to]
         pairs = np.unique(range_of[arrays.edge_from[owners_read]] * n
                           + arrays.edge_to[owners_read])
-        count = np.bincount(pairs // n, minlength=len(cuts) + 1)
-        count[np.unique(range_of[~kept & arrays.to_top])] += 1
+        owners = np.bincount(pairs // n, minlength=len(cuts) + 1)
+        owners[np.unique(range_of[~kept & arrays.to_top])] += 1
         kept_set = set(np.flatnonzero(kept).tolist())
-        for conflicted in np.flatnonzero(count > 1).tolist():
-            members = np.flatnonzero(range_of == conflicted).tolist()
+        conflicted = owners > 1
+        if conflicted.any():
+            # One sweep over all of them: their unkept nodes read only inside their own range.
+            # Their kept nodes are members too: the sweep counts only readers among members.
+            members = np.flatnonzero(conflicted[range_of]).tolist()
             kept_set = graph_lib.close_segments(
                 self.graph, kept_set, members=members,
                 sinks=[v for v in members if self.graph.feeds_sink[v]])
@@ -258,7 +262,7 @@ class CutSearch:
                                    for v in range(n)], dtype=bool),
                 size=np.asarray(graph.size_bytes, dtype=np.int64),
                 # Prefix sums with a leading 0: the sum over (a, b] is [b + 1] - [a + 1].
-                cumulative=np.asarray(self.cumulative, dtype=np.int64),
+                cumulative=np.concatenate(([0], np.asarray(self.cumulative, dtype=np.int64))),
                 retained_cumulative=np.concatenate(
                     ([0], np.asarray(self.retained_cumulative, dtype=np.int64))))
         return self._cut_arrays
@@ -266,9 +270,10 @@ class CutSearch:
     def quick_bytes(self, cuts: Sequence[int], kept: Iterable[int]) -> int:
         """A fast estimate of a plan's peak: kept bytes plus the largest gap between cuts."""
         arrays = self._arrays()
-        bounds = np.asarray([*cuts, self.graph.num_nodes - 1], dtype=np.int64)
-        ends = arrays.cumulative[bounds]
-        gap = int(np.max(ends - np.concatenate(([0], ends[:-1]))))
+        starts = np.asarray([-1, *cuts], dtype=np.int64)
+        ends = np.asarray([*cuts, self.graph.num_nodes - 1], dtype=np.int64)
+        cumulative = arrays.cumulative
+        gap = int(np.max(cumulative[ends + 1] - cumulative[starts + 1]))
         return int(arrays.size[self._kept_array(kept)].sum()) + gap
 
     def held_bytes(self, cuts: Sequence[int], kept: Iterable[int]) -> int:
@@ -299,11 +304,12 @@ class CutSearch:
 
 @dataclasses.dataclass(frozen=True)
 class _CutArrays:
-    """What :meth:`CutSearch._kept_for` reads, as arrays made once per search: node numbers,
+    """What :meth:`CutSearch._closed_frontiers` reads, as arrays made once per search: node numbers,
     each node's last reader (``CutSearch.uses``), ``must_keep`` as a mask, the edges (each
     input to its reader, once), the nodes whose owner may be the top segment (a ``y``'s
-    producer, or a node no one reads), and for the estimates the nodes' bytes, the walk's
-    cumulative bytes and the retained bytes' prefix sums (a 0 first)."""
+    producer, or a node no one reads: ``graph_lib.close_segments``' top rule), and for the
+    estimates the nodes' bytes and the prefix sums (a 0 first) of the walk's and the retained
+    bytes."""
 
     nodes: np.ndarray
     uses: np.ndarray

@@ -153,34 +153,33 @@ def _revolve_table(chain: _Chain, budget_bytes: int,
     choice[:, 1] = _BASE  # a pair of adjacent positions has no cut between them
     t = np.empty((m2, m2, quanta + 1))        # [i, o]: cost[i, i+o] + Bk[i, i+o]
     shifted = np.empty((m2, m2, quanta + 1))  # [d, e]: Bk[d, d+e, q - F_d]
-    flat = shifted.reshape(-1)
     s0, s1, s2 = shifted.strides
-    done = np.zeros((1, quanta + 1))
+    # bk_length: Bk of the pairs of the current length, (i, i + length) for every i.
     for length in range(1, m2):
         i = np.arange(0, m2 - length)
         j = i + length
         base = np.where(qs[None, :] >= need[i, j][:, None], 0.0, np.inf)
         if length > 1:
             # d = i + o for o = 1 .. length - 1: t[i, d] is t[i, o]; shifted[d, j] is
-            # shifted[i + o, length - o], a step of (s0 - s1) bytes from one o to the next.
-            first = (s0 + (length - 1) * s1) // s2
+            # shifted[i + o, length - o]: from shifted[1, length - 1], a row (s0) per i and
+            # a row less a column (s0 - s1) per o.
             later = np.lib.stride_tricks.as_strided(
-                flat[first:], shape=(m2 - length, length - 1, quanta + 1),
+                shifted[1:, length - 1], shape=(m2 - length, length - 1, quanta + 1),
                 strides=(s0, s0 - s1, s2), writeable=False)
             cand = t[:m2 - length, 1:length] + later  # (len(i), length-1, Q+1)
             val = cand.min(axis=1)
             best = (cand == val[:, None, :]).argmax(axis=1)  # argmin's first, in less time
             take = val < base
-            done = np.where(take, val, base)
+            bk_length = np.where(take, val, base)
             choice[i, length] = np.where(take, i[:, None] + 1 + best, _BASE)
         else:
-            done = base
-        t[i, length] = chain.cost[i, j][:, None] + done
+            bk_length = base
+        t[i, length] = chain.cost[i, j][:, None] + bk_length
         # shifted[d, j, q] = Bk[d, j, q - held[d]] for the pairs just finished (d = i).
         source = qs[None, :] - held[i][:, None]
-        values = np.take_along_axis(done, np.clip(source, 0, quanta), axis=1)
+        values = np.take_along_axis(bk_length, np.clip(source, 0, quanta), axis=1)
         shifted[i, length] = np.where(source >= 0, values, np.inf)
-    return _Table(done[0].copy(), unit, quanta, choice, held)
+    return _Table(bk_length[0].copy(), unit, quanta, choice, held)
 
 
 def _rebuild(choice, held, i, j, q) -> multilevel.CutTree:
@@ -197,7 +196,8 @@ def _rebuild(choice, held, i, j, q) -> multilevel.CutTree:
 
 def _min_peak_tree(chain: _Chain) -> multilevel.CutTree:
     """The tree with the smallest decomposed peak (cost ignored):
-    ``E[i, j] = min(base, min_d max(E[i, d], F_d + E[d, j]))``."""
+    ``E[i, j] = min(base, min_d max(E[i, d], F_d + E[d, j]))``. (Its tables are by pair, not
+    by offset as :func:`_revolve_table`'s: one amount of memory, no view to read.)"""
     m2 = len(chain.pos)
     e = np.full((m2, m2), np.inf)
     choice = np.full((m2, m2), _BASE, dtype=np.int32)
