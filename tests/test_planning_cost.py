@@ -178,6 +178,8 @@ def test_the_kept_set_of_cuts_is_the_swept_one(seed):
 @settings(max_examples=150, deadline=None)
 @given(graph=dags(min_nodes=2, max_nodes=40), data=st.data())
 def test_the_kept_set_of_cuts_is_the_swept_one_on_any_dag(graph, data):
+    """The same on Hypothesis DAGs (``y`` producers that other nodes read among them), with
+    any must-keep nodes and cuts."""
     n = graph.num_nodes
     must = data.draw(st.frozensets(st.integers(0, n - 1), max_size=3))
     search = planners.CutSearch(graph, must, range(n))

@@ -304,9 +304,9 @@ class CutSearch:
 
 @dataclasses.dataclass(frozen=True)
 class _CutArrays:
-    """What :meth:`CutSearch._closed_frontiers` reads, as arrays made once per search: node numbers,
-    each node's last reader (``CutSearch.uses``), ``must_keep`` as a mask, the edges (each
-    input to its reader, once), the nodes whose owner may be the top segment (a ``y``'s
+    """What :meth:`CutSearch._closed_frontiers` reads, as arrays made once per search: node
+    numbers, each node's last reader (``CutSearch.uses``), ``must_keep`` as a mask, the edges
+    (each input to its reader, once), the nodes whose owner may be the top segment (a ``y``'s
     producer, or a node no one reads: ``graph_lib.close_segments``' top rule), and for the
     estimates the nodes' bytes and the prefix sums (a 0 first) of the walk's and the retained
     bytes."""
