@@ -103,6 +103,33 @@ def _arrival_ops(g) -> list[tf.Operation]:
             for op in _gradient_ops(g)]
 
 
+def _left_behind_ops(weight_grads: Sequence, grads: Sequence) -> list[tf.Operation]:
+    """The ops producing ``weight_grads`` (one call's partials of xs and variable reads, of
+    all its partials ``grads``) that the next level's copies wait for besides their own
+    incoming gradients: the cheap ones, a bias's gradient (a sum over the batch) foremost.
+    Nothing of the next level reads it, and until it runs it holds its level's incoming
+    gradient, the recomputed buffers forwarded in place; with one inter-op thread TensorFlow
+    ran such an op last (design note "scheduling"). Not the expensive ones (a weight's
+    gradient, a matmul or convolution): they already wait for their siblings (note "writes
+    after reads"), run as soon as those have, and overlap the next level's recomputation.
+    Not a bias gradient that reduces a partial passed on: oneDNN fuses it with the filter
+    gradient that reads the same partial in a later level, which the copies would then both
+    wait for and feed. (The partials passed on, a kept view of a bias's among them, are the
+    next level's incoming gradients: ``_arrival_ops``.)"""
+    passed = {g.ref() for g in grads if isinstance(g, tf.Tensor)}
+    ops = []
+    for g in weight_grads:
+        if g is None:
+            continue
+        for op in _gradient_ops(g):
+            if tf_graph.is_expensive(op) or (
+                    op.type in op_types.FUSED_WITH_LATER_GRADIENT_OP_TYPES
+                    and op.inputs[0].ref() in passed):
+                continue
+            ops.append(op)
+    return list(dict.fromkeys(ops))
+
+
 @dataclasses.dataclass(frozen=True)
 class CallOptions:
     """What every ``tf.gradients`` call of one rewrite shares.
@@ -141,6 +168,9 @@ class _Backprop:
         self.options = options
         self.partials: dict = collections.defaultdict(list)
         self.totals: dict = {}
+        #: The ops of the last tf.gradients call that produced its partials: the next level's
+        #: copies wait for them (:func:`_left_behind_ops`; design note "scheduling").
+        self.left_behind: list[tf.Operation] = []
 
     def ends_segment(self, t: tf.Tensor) -> bool:
         """Kept tensors and xs: where a segment walk stops and partials are collected."""
@@ -194,6 +224,9 @@ class _Backprop:
         for t, g in zip(sources, grads):
             if g is not None:
                 self.partials[t.ref()].append(g)
+        self.left_behind = _left_behind_ops(
+            [g for t, g in zip(sources, grads)
+             if t.ref() in self.x_refs or t.op.type in op_types.VARIABLE_READ_OP_TYPES], grads)
 
 
 def backprop(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], grad_ys: Sequence,
@@ -339,7 +372,8 @@ def _level(state: _Backprop, model: graph_lib.ForwardGraph, sched: schedule_lib.
     stack = tf_stack.extract_stack(stacklevel=1)  # one creating stack for the boundaries
     boundaries = {t.ref(): _boundary(t, f"{scope}/boundary/", stack) for t in copied_sources}
     incoming = [d for _, ds in active for d in ds if d is not None]
-    control = [c for d in incoming for c in _arrival_ops(d)]
+    control = list(dict.fromkeys([c for d in incoming for c in _arrival_ops(d)]
+                                 + state.left_behind))
     # Under XLA, which drops control inputs, the copies also wait for the level's gradients
     # through dataflow (design note "ordering under XLA").
     arrival = None
