@@ -168,8 +168,9 @@ class _Backprop:
         self.options = options
         self.partials: dict = collections.defaultdict(list)
         self.totals: dict = {}
-        #: The ops of the last tf.gradients call that produced its partials: the next level's
-        #: copies wait for them (:func:`_left_behind_ops`; design note "scheduling").
+        #: The cheap producers of the last tf.gradients call's partials of xs and variable
+        #: reads: the next level's copies wait for them (:func:`_left_behind_ops`; design
+        #: note "scheduling").
         self.left_behind: list[tf.Operation] = []
 
     def ends_segment(self, t: tf.Tensor) -> bool:
