@@ -211,8 +211,14 @@ def _dp_seeds(problem: problem_lib.BudgetProblem, scorer: problem_lib.Scorer,
                 _fill(problem, scorer, kept, skip=False)
                 break
             # The replay disagrees: ask for less (twice as much less each time the same plan
-            # comes back).
-            factor = factor * 2 if kept == previous else 1
+            # comes back, and then at least a label's bucket less: the DP rounds bytes to
+            # buckets of ``quantum``, so a smaller step brought the same plan back again).
+            step = peak - problem.budget_bytes
+            if kept == previous:
+                factor *= 2
+                step = max(factor * step, quantum)
+            else:
+                factor = 1
             previous = kept
-            budget_bytes -= factor * (peak - problem.budget_bytes)
+            budget_bytes -= step
 
