@@ -44,7 +44,7 @@ _EXPORTS = {
         "CheckpointNotOnPathError", "NoCheckpointsFoundError", "UnsupportedGraphError",
         "SparseGradientError", "EagerExecutionError", "PatchStateError",
         "InfeasibleBudgetError", "MissingDependencyError", "NotDifferentiableError",
-        "FinalizedGraphError")},
+        "FinalizedGraphError", "MissingTensorError")},
 }
 
 __all__ = list(_EXPORTS)
@@ -82,7 +82,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported eagerl
     from memsave_grads.errors import (CheckpointNotOnPathError, EagerExecutionError,
                                       FinalizedGraphError, InfeasibleBudgetError,
                                       InvalidArgumentError, InvalidTypeError, MemsaveGradsError,
-                                      MissingDependencyError, NoCheckpointsFoundError,
+                                      MissingDependencyError, MissingTensorError,
+                                      NoCheckpointsFoundError,
                                       NotDifferentiableError, PatchStateError,
                                       SparseGradientError, UnknownStrategyError,
                                       UnsupportedGraphError)

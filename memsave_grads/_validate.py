@@ -149,9 +149,36 @@ def as_list(value, argname: str, allow_none: bool = False) -> list:
     if isinstance(value, (list, tuple)):
         return list(value)
     if value is None and not allow_none:
-        raise errors.InvalidArgumentError(
-            f"{argname}: expected a tensor or a list of tensors, got None.")
+        raise errors.MissingTensorError(
+            f"{argname}: expected a tensor or a list of tensors, got None."
+            + _tensorflow_says(_NONE_SENTENCE))
     return [value]
+
+
+#: What tf.gradients raises (an AttributeError) for None among ys or xs.
+_NONE_SENTENCE = "'NoneType' object has no attribute 'op'"
+
+
+def _as_tensorflow_converts(value, where: str, is_x: bool):
+    """A y or x that is neither a tensor nor a variable, converted as tf.gradients converts
+    it (:func:`tf_graph.converted_as_tf_gradients_does`): a Python or NumPy number or array becomes a constant, whose
+    gradient is None (``total = 0.0`` summed over no regularization losses stays a float); a
+    nested list of ys, their stack. None, and what TensorFlow cannot convert, get our error,
+    of the type TensorFlow raises too."""
+    if value is None:
+        raise errors.MissingTensorError(
+            f"{where}: expected a tensor, got None; leave it out of the list, or pass "
+            "tf.constant(0.0) where a placeholder value is needed."
+            + _tensorflow_says(_NONE_SENTENCE))
+    if isinstance(value, (tf.Tensor, tf.Variable)) or tf_graph.is_resource_variable(value):
+        return value
+    try:
+        return tf_graph.converted_as_tf_gradients_does(value, is_x=is_x)
+    except Exception as tensorflow_error:  # pylint: disable=broad-except
+        raise errors.like_tensorflows(errors.InvalidTypeError(
+            f"{where}: expected a tensor, a variable or a value tf.convert_to_tensor takes, got "
+            f"{type(value).__name__}: {value!r:.80}." + _tensorflow_says(str(tensorflow_error))
+        ), tensorflow_error) from None
 
 
 def check_graph_tensor(value, where: str, allow_variable: bool) -> tf.Tensor:
@@ -218,7 +245,8 @@ def _normalise(ys, xs, grad_ys):
     """Validated ``(graph, ys, given_xs, xs, grad_ys)``: ``given_xs`` as tensors (variables
     turned into what tf.gradients differentiates), ``xs`` the same as read in ys' graph (None
     where never read there)."""
-    ys = [check_graph_tensor(y, f"ys[{i}]", allow_variable=True)
+    ys = [check_graph_tensor(_as_tensorflow_converts(y, f"ys[{i}]", is_x=False), f"ys[{i}]",
+                             allow_variable=True)
           for i, y in enumerate(as_list(ys, "ys"))]
     if not ys:
         raise errors.InvalidArgumentError("ys: got an empty list; pass at least one tensor.")
@@ -233,7 +261,8 @@ def _normalise(ys, xs, grad_ys):
             "in one graph or tf.function, or in graphs enclosing it."
             + _tensorflow_same_graph_sentence(stranger, ys[0]))
     inner_y = next(t for t in ys if t.graph is graph)
-    given_xs = [_given_x(x, f"xs[{i}]", graph) for i, x in enumerate(as_list(xs, "xs"))]
+    given_xs = [_given_x(_as_tensorflow_converts(x, f"xs[{i}]", is_x=True), f"xs[{i}]", graph)
+                for i, x in enumerate(as_list(xs, "xs"))]
     resolved = [_resolve_x(x, f"xs[{i}]", graph, inner_y, ys[0])
                 for i, x in enumerate(given_xs)]
     for name, tensors in (("ys", ys), ("xs", given_xs)):

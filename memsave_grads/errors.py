@@ -27,6 +27,11 @@ class InvalidTypeError(MemsaveGradsError, TypeError):
     """An argument has a type we cannot use."""
 
 
+class MissingTensorError(InvalidArgumentError, AttributeError):
+    """``ys`` or ``xs``, or one of their items, is None. Also an ``AttributeError``: what
+    ``tf.gradients`` raises for the same input."""
+
+
 class UnknownStrategyError(InvalidArgumentError):
     """``checkpoints=`` names a strategy that does not exist."""
 
@@ -89,6 +94,27 @@ class PatchStateError(MemsaveGradsError, RuntimeError):
 class FinalizedGraphError(MemsaveGradsError, RuntimeError):
     """The graph of ``ys`` is finalized: no gradient op can be added to it (``tf.gradients``
     cannot add its own either, so there is nothing to fall back to)."""
+
+
+_LIKE_TENSORFLOWS: dict = {}
+
+
+def like_tensorflows(error: MemsaveGradsError, tensorflow_error: BaseException
+                     ) -> MemsaveGradsError:
+    """``error``, made an instance of ``tensorflow_error``'s type as well where it is not one
+    already, so that code catching what ``tf.gradients`` raises for the same input catches
+    ours too (docs/guarantees.md). The combined type subclasses ``error``'s, first."""
+    kind = type(tensorflow_error)
+    if isinstance(error, kind) or not issubclass(kind, Exception):
+        return error
+    key = (type(error), kind)
+    if key not in _LIKE_TENSORFLOWS:
+        try:
+            _LIKE_TENSORFLOWS[key] = type(type(error).__name__, key, {"__module__": __name__})
+        except TypeError:  # two builtins whose instances are laid out differently
+            _LIKE_TENSORFLOWS[key] = None
+    combined = _LIKE_TENSORFLOWS[key]
+    return error if combined is None else combined(*error.args)
 
 
 #: Errors after which a patched ``tf.gradients`` may fall back to the original function: the

@@ -254,3 +254,23 @@ def test_a_source_call_between_the_sources_keeps_its_gradient():
         with tf.compat.v1.Session() as session:
             got, expected = session.run([ours, reference])
     assert_grads_close(got, expected, rtol=1e-10)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_numbers_among_ys_and_xs_are_constants_as_in_tf_gradients(strategy, graph, session,
+                                                                  rewrites):
+    """tf.gradients converts ys and xs that are not tensors: a Python or NumPy number is a
+    constant, whose gradient is None (``total = 0.0`` summed over no regularization losses
+    stays a float), and ys that are all numbers give None for every x."""
+    w = tf.constant(np.random.RandomState(0).randn(8, 8).astype(np.float32) / 3)
+    loss = _residual(tf.ones([4, 8]), w)
+    cases = [(0.0, [w]), ([loss, np.float32(0.0)], [w]), (loss, [w, 3.0]),
+             ([loss, np.zeros([2], np.float32)], [w, np.ones([3], np.float32)])]
+    for ys, xs in cases:
+        expected = original_gradients(ys, xs)
+        actual = mg.gradients(ys, xs, checkpoints=strategy)
+        assert [e is None for e in expected] == [a is None for a in actual], (ys, xs)
+        want, got = _run_pair(session, [e for e in expected if e is not None],
+                              [a for a in actual if a is not None])
+        assert_grads_close(got, want)
+    assert rewrites, "no call was rewritten"

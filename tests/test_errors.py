@@ -373,6 +373,12 @@ TENSORFLOW_REFUSES = {
     "grad_y_of_another_graph": lambda x, h3, y: (y, x, {"grad_ys": _foreign()}),
     "stop_gradients_of_another_graph": lambda x, h3, y: (
         y, x, {"stop_gradients": [_foreign()]}),
+    "ys_none": lambda x, h3, y: (None, x, {}),
+    "none_among_ys": lambda x, h3, y: ([y, None], x, {}),
+    "xs_none": lambda x, h3, y: (y, None, {}),
+    "none_among_xs": lambda x, h3, y: (y, [x, None], {}),
+    "unconvertible_y": lambda x, h3, y: ([y, object()], x, {}),
+    "unconvertible_x": lambda x, h3, y: (y, [x, object()], {}),
 }
 
 
@@ -396,6 +402,29 @@ def test_our_error_quotes_tensorflows_sentence(chain, case):
     assert isinstance(ours, type(theirs)), f"ours {type(ours)}, TensorFlow's {type(theirs)}"
     assert f"TensorFlow's message: {theirs}" in str(ours)
     assert str(ours).index("TensorFlow's message") > 40, "our own message comes first"
+
+
+def test_a_list_holding_a_variable_among_xs_is_refused_as_tensorflow_refuses_it():
+    """tf.gradients converts xs as references; a list holding a variable has none, and it
+    raises NotImplementedError (inside a tf.function). Ours is that too."""
+    w = tf.Variable(tf.ones([2, 2]))
+    errors_raised = []
+
+    @tf.function
+    def step():
+        y = tf.reduce_sum(tf.tanh(tf.ones([1, 2]) @ w))
+        for gradients in (mg.gradients, tf.gradients):
+            try:
+                gradients(y, [[w], w])
+            except Exception as error:  # pylint: disable=broad-except
+                errors_raised.append(error)
+        return y
+
+    step()
+    ours, theirs = errors_raised
+    assert isinstance(ours, mg.InvalidTypeError) and isinstance(ours, NotImplementedError)
+    assert isinstance(ours, type(theirs)) and "xs[0]: expected a tensor" in str(ours)
+    assert f"TensorFlow's message: {theirs}" in str(ours)
 
 
 def test_our_error_quotes_tensorflows_nested_scope_sentence(chain):

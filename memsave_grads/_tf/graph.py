@@ -240,6 +240,13 @@ def is_resource_variable(value) -> bool:
     return resource_variable_ops.is_resource_variable(value)
 
 
+def converted_as_tf_gradients_does(value, is_x: bool):
+    """A y or x that is not a tensor, converted as tf.gradients converts it: ys plainly (a
+    nested list of tensors becomes their stack), xs as references (which refuses a list
+    holding a variable with NotImplementedError)."""
+    return tf_ops.convert_to_tensor(value, name="x" if is_x else "y", as_ref=is_x)
+
+
 def is_eager_tensor(value) -> bool:
     """An eager tensor: a value, with no graph for us to rewrite."""
     return isinstance(value, tf_ops.EagerTensor)
