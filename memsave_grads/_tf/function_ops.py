@@ -472,7 +472,7 @@ def _counting_condition(op, t, cond, outputs) -> tuple[int, int] | None:
         return None
     limit_value = _static_value_in(limit, positions, op, outputs)
     start = tf.get_static_value(op.inputs[i])
-    step = _constant_step(outputs, i)
+    step = _constant_step(op, outputs, i)
     if limit_value is None or start is None or step is None or step <= 0:
         return None
     # In integers (a float loses int64 counts past 2**53), and only where the counter's last
@@ -521,17 +521,21 @@ def static_value(t: tf.Tensor):
     return reduce(data, axis=axes, keepdims=t.op.get_attr("keep_dims"))
 
 
-def _constant_step(outputs, i: int):
-    """The constant a while body adds to loop variable ``i`` each iteration, or None."""
+def _constant_step(op, outputs, i: int):
+    """The constant a while body adds to loop variable ``i`` each iteration, or None: a
+    constant, or a loop input that is one (AutoGraph's ``for i in tf.range(n)`` adds the
+    range's step, captured)."""
     body = _passes_through(outputs[i]).op
     if body.type not in ("Add", "AddV2"):
         return None
-    mine = outputs[i].graph.inputs[i].ref()
+    inputs = outputs[i].graph.inputs
+    mine = inputs[i].ref()
+    positions = {u.ref(): j for j, u in enumerate(inputs)}
     a, b = (_passes_through(t) for t in body.inputs)
-    if a.ref() == mine and b.op.type == "Const":
-        return tf.get_static_value(b)
-    if b.ref() == mine and a.op.type == "Const":
-        return tf.get_static_value(a)
+    if a.ref() == mine:
+        return _static_value_in(b, positions, op, outputs)
+    if b.ref() == mine:
+        return _static_value_in(a, positions, op, outputs)
     return None
 
 

@@ -43,6 +43,7 @@ FORWARDS = (
     ("function", "each block a nested tf.function"),
     ("function_of_function", "each block a tf.function calling another (a layer, a sublayer)"),
     ("while", "the blocks in one tf.while_loop over stacked weights"),
+    ("range", "the same as AutoGraph writes it: for i in tf.range(depth)"),
 )
 #: The residual branch's scale at inference in the cond rows (stochastic depth's survival
 #: probability).
@@ -71,6 +72,14 @@ def _block(h, w):
     return h + tf.tanh(tf.matmul(h, w))
 
 
+def _range_blocks(h, stacked, depth):
+    """The blocks over stacked weights as a TF2 user writes them in a ``tf.function``
+    (AutoGraph turns the loop into a while op that captures the range's limit and step)."""
+    for i in tf.range(depth):
+        h = _block(h, tf.gather(stacked, i))
+    return h
+
+
 class Model:
     """Eager weights and input, and the forward pass of one row (built while tracing)."""
 
@@ -81,7 +90,7 @@ class Model:
         initial = [tf.random.stateless_normal([shape.width, shape.width], seed=[seed + 1 + i, 1],
                                               stddev=stddev) for i in range(shape.depth)]
         self.inputs = tf.random.stateless_normal([shape.batch, shape.width], seed=[seed, 0])
-        if forward == "while":
+        if forward in ("while", "range"):
             self.variables = [tf.Variable(tf.stack(initial), name="stacked_weights")]
         else:
             self.variables = [tf.Variable(w, name=f"w{i}") for i, w in enumerate(initial)]
@@ -125,6 +134,9 @@ class Model:
             # without one).
             _, h = tf.while_loop(lambda i, h: i < self.shape.depth, body,
                                  [tf.constant(0), h], maximum_iterations=self.shape.depth)
+        elif self.forward_kind == "range":
+            # Converted here: the steps that trace this may switch AutoGraph off.
+            h = tf.autograph.to_graph(_range_blocks)(h, self.variables[0], self.shape.depth)
         else:
             raise ValueError(f"unknown forward pass {self.forward_kind!r}")
         return tf.reduce_mean(tf.square(h))
