@@ -159,26 +159,52 @@ def as_list(value, argname: str, allow_none: bool = False) -> list:
 _NONE_SENTENCE = "'NoneType' object has no attribute 'op'"
 
 
-def _as_tensorflow_converts(value, where: str, is_x: bool):
-    """A y or x that is neither a tensor nor a variable, converted as tf.gradients converts
-    it (:func:`tf_graph.converted_as_tf_gradients_does`): a Python or NumPy number or array becomes a constant, whose
-    gradient is None (``total = 0.0`` summed over no regularization losses stays a float); a
-    nested list of ys, their stack. None, and what TensorFlow cannot convert, get our error,
-    of the type TensorFlow raises too."""
-    if value is None:
-        raise errors.MissingTensorError(
-            f"{where}: expected a tensor, got None; leave it out of the list, or pass "
-            "tf.constant(0.0) where a placeholder value is needed."
-            + _tensorflow_says(_NONE_SENTENCE))
-    if isinstance(value, (tf.Tensor, tf.Variable)) or tf_graph.is_resource_variable(value):
-        return value
-    try:
-        return tf_graph.converted_as_tf_gradients_does(value, is_x=is_x)
-    except Exception as tensorflow_error:  # pylint: disable=broad-except
-        raise errors.like_tensorflows(errors.InvalidTypeError(
-            f"{where}: expected a tensor, a variable or a value tf.convert_to_tensor takes, got "
-            f"{type(value).__name__}: {value!r:.80}." + _tensorflow_says(str(tensorflow_error))
-        ), tensorflow_error) from None
+def _as_tensorflow_converts(ys: list, xs: list) -> tuple[list, list]:
+    """``ys`` and ``xs`` with the items that are neither tensors nor variables converted as
+    tf.gradients converts them (:func:`tf_graph.converted_as_tf_gradients_does`), in the
+    graph of the first tensor among them, as tf.gradients' name scope picks it: a Python or
+    NumPy number or array becomes a constant, whose gradient is None (``total = 0.0`` summed
+    over no regularization losses stays a float); a nested list of ys, their stack. None,
+    composite tensors and what TensorFlow cannot convert get our error, of the type
+    TensorFlow raises too where it raises."""
+    items = [(y, f"ys[{i}]", False) for i, y in enumerate(ys)] + [
+        (x, f"xs[{i}]", True) for i, x in enumerate(xs)]
+    for value, where, _ in items:
+        if value is None:
+            raise errors.MissingTensorError(
+                f"{where}: expected a tensor, got None; leave it out of the list, or pass "
+                "tf.constant(0.0) where a placeholder value is needed."
+                + _tensorflow_says(_NONE_SENTENCE))
+        if not _is_tensor_or_variable(value) and tf_graph.is_composite_tensor(value):
+            raise errors.UnsupportedGraphError(
+                f"{where}: got a {type(value).__name__}; memsave_grads differentiates dense "
+                "tensors. Pass its dense components (a RaggedTensor's flat_values), or call "
+                "tf.gradients (under patch() it is called for you).")
+    converted = [_is_tensor_or_variable(value) for value, _, _ in items]
+    if all(converted):
+        return ys, xs
+    graph = next((value.graph for value, _, _ in items if isinstance(value, tf.Tensor)
+                  and not tf_graph.is_eager_tensor(value)),
+                 tf.compat.v1.get_default_graph())
+    check_not_finalized(graph)
+    out = []
+    with graph.as_default():
+        for (value, where, is_x), done in zip(items, converted):
+            if done:
+                out.append(value)
+                continue
+            try:
+                out.append(tf_graph.converted_as_tf_gradients_does(value, is_x=is_x))
+            except (TypeError, ValueError, NotImplementedError) as tensorflow_error:
+                raise errors.like_tensorflows(errors.InvalidTypeError(
+                    f"{where}: expected a tensor, a variable or a value tf.convert_to_tensor "
+                    f"takes, got {type(value).__name__}: {value!r:.80}."
+                    + _tensorflow_says(str(tensorflow_error))), tensorflow_error) from None
+    return out[:len(ys)], out[len(ys):]
+
+
+def _is_tensor_or_variable(value) -> bool:
+    return isinstance(value, (tf.Tensor, tf.Variable)) or tf_graph.is_resource_variable(value)
 
 
 def check_graph_tensor(value, where: str, allow_variable: bool) -> tf.Tensor:
@@ -245,9 +271,8 @@ def _normalise(ys, xs, grad_ys):
     """Validated ``(graph, ys, given_xs, xs, grad_ys)``: ``given_xs`` as tensors (variables
     turned into what tf.gradients differentiates), ``xs`` the same as read in ys' graph (None
     where never read there)."""
-    ys = [check_graph_tensor(_as_tensorflow_converts(y, f"ys[{i}]", is_x=False), f"ys[{i}]",
-                             allow_variable=True)
-          for i, y in enumerate(as_list(ys, "ys"))]
+    ys, xs = _as_tensorflow_converts(as_list(ys, "ys"), as_list(xs, "xs"))
+    ys = [check_graph_tensor(y, f"ys[{i}]", allow_variable=True) for i, y in enumerate(ys)]
     if not ys:
         raise errors.InvalidArgumentError("ys: got an empty list; pass at least one tensor.")
     # ys may also come from graphs enclosing the innermost one, as in tf.gradients.
@@ -261,8 +286,7 @@ def _normalise(ys, xs, grad_ys):
             "in one graph or tf.function, or in graphs enclosing it."
             + _tensorflow_same_graph_sentence(stranger, ys[0]))
     inner_y = next(t for t in ys if t.graph is graph)
-    given_xs = [_given_x(_as_tensorflow_converts(x, f"xs[{i}]", is_x=True), f"xs[{i}]", graph)
-                for i, x in enumerate(as_list(xs, "xs"))]
+    given_xs = [_given_x(x, f"xs[{i}]", graph) for i, x in enumerate(xs)]
     resolved = [_resolve_x(x, f"xs[{i}]", graph, inner_y, ys[0])
                 for i, x in enumerate(given_xs)]
     for name, tensors in (("ys", ys), ("xs", given_xs)):

@@ -101,20 +101,32 @@ _LIKE_TENSORFLOWS: dict = {}
 
 def like_tensorflows(error: MemsaveGradsError, tensorflow_error: BaseException
                      ) -> MemsaveGradsError:
-    """``error``, made an instance of ``tensorflow_error``'s type as well where it is not one
-    already, so that code catching what ``tf.gradients`` raises for the same input catches
-    ours too (docs/guarantees.md). The combined type subclasses ``error``'s, first."""
+    """``error``, made an instance of ``tensorflow_error``'s type as well where that is a
+    builtin exception it is not one of already, so that code catching what ``tf.gradients``
+    raises for the same input catches ours too (docs/guarantees.md). The combined type
+    subclasses ``error``'s first, and pickles (as multiprocessing and test runners do)."""
     kind = type(tensorflow_error)
-    if isinstance(error, kind) or not issubclass(kind, Exception):
+    if isinstance(error, kind) or kind.__module__ != "builtins":
         return error
-    key = (type(error), kind)
+    combined = _combined(type(error), kind)
+    return error if combined is None else combined(*error.args)
+
+
+def _combined(ours: type, kind: type) -> type | None:
+    key = (ours, kind)
     if key not in _LIKE_TENSORFLOWS:
         try:
-            _LIKE_TENSORFLOWS[key] = type(type(error).__name__, key, {"__module__": __name__})
+            _LIKE_TENSORFLOWS[key] = type(ours.__name__, key, {
+                "__module__": __name__,
+                "__reduce__": lambda self: (_rebuilt, (ours, kind, self.args))})
         except TypeError:  # two builtins whose instances are laid out differently
             _LIKE_TENSORFLOWS[key] = None
-    combined = _LIKE_TENSORFLOWS[key]
-    return error if combined is None else combined(*error.args)
+    return _LIKE_TENSORFLOWS[key]
+
+
+def _rebuilt(ours: type, kind: type, args: tuple) -> BaseException:
+    combined = _combined(ours, kind)
+    return (combined or ours)(*args)
 
 
 #: Errors after which a patched ``tf.gradients`` may fall back to the original function: the

@@ -11,6 +11,7 @@ import memsave_grads as mg
 from memsave_grads._tf import stitch
 from memsave_grads.patching import original_gradients
 from conftest import assert_grads_close
+import children
 
 STRATEGIES = ["memory", "speed"]
 
@@ -274,3 +275,51 @@ def test_numbers_among_ys_and_xs_are_constants_as_in_tf_gradients(strategy, grap
                               [a for a in actual if a is not None])
         assert_grads_close(got, want)
     assert rewrites, "no call was rewritten"
+
+
+_NUMBERS_OUTSIDE_THE_GRAPH = """
+import json
+import numpy as np
+import tensorflow as tf
+import memsave_grads as mg
+from memsave_grads.patching import original_gradients
+
+tf.compat.v1.disable_eager_execution()
+graph = tf.Graph()
+with graph.as_default():
+    w = tf.constant(np.ones([2, 2], np.float32))
+    y = tf.reduce_sum(tf.tanh(w))
+# Called where the default graph is another one: the constants go to ys' graph.
+expected = original_gradients([y, 0.0], [w, 2.0])
+actual = mg.gradients([y, 0.0], [w, 2.0], checkpoints="memory")
+with tf.compat.v1.Session(graph=graph) as session:
+    want, got = session.run([expected[0], actual[0]])
+print(json.dumps({"nones": [[e is None for e in expected], [a is None for a in actual]],
+                  "same_graph": actual[0].graph is graph, "error": float(np.abs(got - want).max())}))
+"""
+
+
+def test_numbers_among_ys_go_to_the_graph_of_ys_as_in_tf_gradients():
+    """tf.gradients makes the constants in ys' graph, also where that is not the default
+    graph of the call (a TF1 program)."""
+    result = children.run_json(_NUMBERS_OUTSIDE_THE_GRAPH, preamble="")
+    assert result["nones"] == [[False, True], [False, True]], result
+    assert result["same_graph"] and result["error"] == 0.0, result
+
+
+def test_composite_ys_fall_back_to_tf_gradients():
+    """A RaggedTensor among ys: tf.gradients differentiates its components, we fall back to
+    it; a SparseTensor: tf.gradients' own ValueError."""
+    @tf.function
+    def run():
+        w = tf.constant(np.ones([2, 2], np.float32))
+        y = tf.reduce_sum(tf.tanh(w))
+        ragged = tf.RaggedTensor.from_row_lengths(tf.reshape(w * 3.0, [-1]), [1, 3])
+        got = mg.gradients([y, ragged], [w], checkpoints="memory")
+        want = original_gradients([y, ragged], [w])
+        with pytest.raises(ValueError, match="SparseTensor is not supported"):
+            mg.gradients([y, tf.sparse.from_dense(w)], [w], checkpoints="memory")
+        return got, want
+
+    got, want = run()
+    assert_grads_close(list(got), list(want))

@@ -442,6 +442,28 @@ def test_finalized_graph_quotes_tensorflows_sentence(chain):
     assert isinstance(ours, RuntimeError) and str(theirs) in str(ours)
 
 
+def test_a_number_among_ys_of_a_finalized_graph_is_the_finalized_graph_error(chain):
+    graph, x, _, y = chain
+    graph.finalize()
+    with pytest.raises(mg.FinalizedGraphError):
+        mg.gradients([y, 0.0], [x, 1.0], checkpoints="memory")
+
+
+def test_combined_error_types_pickle():
+    """Errors cross processes (multiprocessing, test runners): the type made to be
+    TensorFlow's too survives a pickle round trip."""
+    import pickle  # pylint: disable=import-outside-toplevel
+    from memsave_grads import errors  # pylint: disable=import-outside-toplevel
+    error = errors.like_tensorflows(errors.InvalidTypeError("xs[0]: a list"),
+                                    NotImplementedError("numpy()"))
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error) and again.args == error.args
+    assert isinstance(again, NotImplementedError) and isinstance(again, mg.InvalidTypeError)
+    # Only builtins are combined: TensorFlow's own error types have constructors of their own.
+    kept = errors.InvalidTypeError("x")
+    assert errors.like_tensorflows(kept, tf.errors.InvalidArgumentError(None, None, "m")) is kept
+
+
 def test_eager_execution_quotes_tensorflows_sentence():
     assert tf.executing_eagerly()
     x = tf.constant(1.0)

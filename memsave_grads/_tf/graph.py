@@ -18,6 +18,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
 
 import tensorflow as tf
 from tensorflow.python.framework import auto_control_deps
+from tensorflow.python.framework import composite_tensor
 from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops as tf_ops
@@ -238,6 +239,12 @@ def handle_gradient(read_type: str, grad, handle: tf.Tensor, indices: tf.Tensor 
 
 def is_resource_variable(value) -> bool:
     return resource_variable_ops.is_resource_variable(value)
+
+
+def is_composite_tensor(value) -> bool:
+    """A RaggedTensor, SparseTensor, IndexedSlices or other composite value (variables are
+    composite too: ask after them)."""
+    return isinstance(value, composite_tensor.CompositeTensor)
 
 
 def converted_as_tf_gradients_does(value, is_x: bool):
