@@ -274,7 +274,10 @@ def _normalise(ys, xs, grad_ys):
     ys, xs = _as_tensorflow_converts(as_list(ys, "ys"), as_list(xs, "xs"))
     ys = [check_graph_tensor(y, f"ys[{i}]", allow_variable=True) for i, y in enumerate(ys)]
     if not ys:
-        raise errors.InvalidArgumentError("ys: got an empty list; pass at least one tensor.")
+        raise errors.NotDifferentiableError(
+            "ys: got an empty list, so there is nothing to differentiate (tf.gradients returns "
+            "None for each x, and does so where memsave_grads falls back to it); pass at least "
+            "one tensor.")
     # ys may also come from graphs enclosing the innermost one, as in tf.gradients.
     graph = next((t.graph for t in ys if all(tf_graph.encloses(u.graph, t.graph) for u in ys)),
                  None)

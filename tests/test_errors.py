@@ -96,6 +96,16 @@ def test_integer_or_boolean_ys_and_xs(chain, which, dtype):
         assert tf.gradients(ys, xs) == [None]
 
 
+def test_empty_ys_give_none_as_in_tf_gradients(chain):
+    """tf.gradients([], xs) is None per x: patched (or falling back), so is ours."""
+    graph, x, _, _ = chain
+    _raises(graph, mg.NotDifferentiableError, "ys: got an empty list",
+            lambda: mg.gradients([], [x], checkpoints="memory", fallback="error"))
+    assert tf.compat.v1.gradients([], [x]) == [None]
+    with mg.patch(checkpoints="memory"):
+        assert tf.gradients([], [x]) == [None]
+
+
 def test_empty_xs_is_not_an_error(chain):
     """tf.gradients(y, []) is []; so is ours, and it adds nothing to the graph."""
     graph, _, _, y = chain
