@@ -352,6 +352,11 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
     key = (repr(checkpoints)[:200], len(prepared.region))
     if key in _WARNED_PLAIN:
         return
+    if tf_graph.in_replay_backward():
+        # A recomputed step differentiating its copies under patch(): the step is the saving.
+        _LOG.debug("memsave_grads: a replay's own gradient call of %d forward ops keeps plain "
+                   "tf.gradients' schedule (%s)", len(prepared.region), reason)
+        return
     _WARNED_PLAIN.add(key)
     while_ops = [op for op in prepared.region if op.type in op_types.WHILE_OP_TYPES]
     if while_ops and all(tf_graph.loop_body_has_custom_gradient(op) for op in while_ops):

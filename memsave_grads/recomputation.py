@@ -192,8 +192,9 @@ def _backward(plan: _Plan, inputs, outputs, output_grads, variables, scope):
         pairs = [(y, g) for y, g in zip(replayed_outputs, output_grads)
                  if g is not None and _differentiable(y)]
         targets = [t for t in local_inputs if _differentiable(t)] + local_reads
-        grads = (tf.gradients([y for y, _ in pairs], targets, [g for _, g in pairs])
-                 if pairs and targets else [None] * len(targets))
+        with tf_graph.replay_backward():
+            grads = (tf.gradients([y for y, _ in pairs], targets, [g for _, g in pairs])
+                     if pairs and targets else [None] * len(targets))
     by_target = iter(grads)
     input_grads = [next(by_target) if _differentiable(t) else None for t in local_inputs]
     # What each read sends to its variable's handle: the value's gradient, or rows of it.

@@ -643,6 +643,29 @@ def onednn_in_effect() -> bool:
     return bool(_pywrap_util_port.IsMklEnabled())
 
 
+#: True while a replay's backward pass (``recomputation``) differentiates its copies: the
+#: gradient call made there is the library's own, not the user's.
+_IN_REPLAY_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "memsave_grads_in_replay_backward", default=False)
+
+
+@contextlib.contextmanager
+def replay_backward():
+    """Within it, gradient calls are a replay's own (see :func:`in_replay_backward`)."""
+    token = _IN_REPLAY_BACKWARD.set(True)
+    try:
+        yield
+    finally:
+        _IN_REPLAY_BACKWARD.reset(token)
+
+
+def in_replay_backward() -> bool:
+    """Whether a gradient call is a replay's own: a recomputed loop step or ``recompute(fn)``
+    differentiating its copies, where a patched tf.gradients plans too but has nothing to tell
+    the user (the step around it is what saves)."""
+    return _IN_REPLAY_BACKWARD.get()
+
+
 #: Examples the memory model counts for a traced batch dimension of unknown size (None in
 #: the static shape); None: count it as 1 (sizes per example). See :func:`assumed_batch_size`.
 _ASSUMED_BATCH_SIZE: contextvars.ContextVar[int | None] = contextvars.ContextVar(
