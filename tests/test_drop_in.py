@@ -295,7 +295,8 @@ actual = mg.gradients([y, 0.0], [w, 2.0], checkpoints="memory")
 with tf.compat.v1.Session(graph=graph) as session:
     want, got = session.run([expected[0], actual[0]])
 print(json.dumps({"nones": [[e is None for e in expected], [a is None for a in actual]],
-                  "same_graph": actual[0].graph is graph, "error": float(np.abs(got - want).max())}))
+                  "same_graph": actual[0].graph is graph,
+                  "error": float(np.abs(got - want).max())}))
 """
 
 
