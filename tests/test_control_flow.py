@@ -409,15 +409,18 @@ def test_trip_counts(loop, count, counted):
     assert _traced(build) == (count, counted)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["plain", "jit_compile"])
 @pytest.mark.parametrize("start, limit, delta, count", [
     (0, 6, 1, 6), (1, 10, 2, 5), (3, 3, 1, 0), (0, 6, None, None)])
-def test_autograph_range_loops_are_counted(start, limit, delta, count):
+def test_autograph_range_loops_are_counted(start, limit, delta, count, jit_compile):
     """AutoGraph's ``for i in tf.range(start, limit, delta)`` passes the limit and the step
     into the loop as captured inputs, not constants: both are read through the loop (the
-    step through the body). A step computed from data is not a count."""
+    step through the body). Under XLA the condition also tests ``maximum_iterations``, which
+    AutoGraph computes from the range (integer arithmetic on constants, folded). A step
+    computed from data is not a count."""
     found = {}
 
-    @tf.function
+    @tf.function(jit_compile=jit_compile)
     def trace(h):
         step = tf.cast(tf.reduce_sum(h) > -1e9, tf.int32) if delta is None else delta
         for _ in tf.range(start, limit, step):
@@ -431,6 +434,24 @@ def test_autograph_range_loops_are_counted(start, limit, delta, count):
     trace.get_concrete_function(tf.TensorSpec([ROWS, COLS]))
     assert found["count"] == ((count, count is not None) if delta is not None
                               else (None, False)), found
+
+
+def test_static_values_fold_integer_arithmetic_only():
+    """What a loop's bounds are made of: integer arithmetic on constants folds (as NumPy's
+    integers compute it, which is TensorFlow's); a division by zero and floats do not."""
+    found = {}
+
+    @tf.function(autograph=False)
+    def trace():
+        seven = tf.constant(7)
+        length = tf.maximum(seven // 2 + tf.cast(tf.math.floormod(seven, 2) != 0, tf.int32), 0)
+        found["values"] = [function_ops.static_value(t) for t in (
+            length, seven // tf.constant(0), tf.constant(7.0) // 2.0,
+            tf.constant(-7) // 2, tf.math.floormod(tf.constant(-7), 2))]
+        return length
+
+    trace.get_concrete_function()
+    assert found["values"] == [4, None, None, -4, 1], found
 
 
 def test_dropout_in_a_branch_exposes_its_boolean_mask():

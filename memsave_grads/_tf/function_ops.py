@@ -501,12 +501,29 @@ def _static_value_in(t, positions, op, outputs):
     return static_value(op.inputs[i])
 
 
-def static_value(t: tf.Tensor):
-    """``tf.get_static_value(t)``, which also folds a ``Max``/``Min`` of constants: Keras 3
+#: Integer arithmetic :func:`static_value` folds (AutoGraph computes ``tf.range``'s length,
+#: its loop's ``maximum_iterations``, with these): op type -> NumPy function, whose integer
+#: semantics are TensorFlow's (floor division and a modulo of the divisor's sign).
+_FOLDED_INTEGER_OPS = {
+    "Add": np.add, "AddV2": np.add, "Sub": np.subtract, "Mul": np.multiply,
+    "FloorDiv": np.floor_divide, "FloorMod": np.mod, "Maximum": np.maximum,
+    "Minimum": np.minimum, "Equal": np.equal, "NotEqual": np.not_equal, "Less": np.less,
+    "LessEqual": np.less_equal, "Greater": np.greater, "GreaterEqual": np.greater_equal}
+#: How many ops deep :func:`static_value` folds.
+_FOLD_DEPTH = 8
+
+
+def static_value(t: tf.Tensor, depth: int = _FOLD_DEPTH):
+    """``tf.get_static_value(t)``, which also folds a ``Max``/``Min`` of constants (Keras 3
     bounds its recurrent loops by ``maximum_iterations=max(time steps)``, a reduction of a
-    constant over constant axes."""
+    constant over constant axes) and integer arithmetic on constants
+    (:data:`_FOLDED_INTEGER_OPS`, casts between integers and booleans)."""
     value = tf.get_static_value(t)
-    if value is not None or t.op.type not in ("Max", "Min"):
+    if value is not None or depth <= 0:
+        return value
+    if t.op.type in _FOLDED_INTEGER_OPS or t.op.type == "Cast":
+        return _folded_integer(t, depth)
+    if t.op.type not in ("Max", "Min"):
         return value
     data, axes = (tf.get_static_value(u) for u in t.op.inputs)
     if data is None or axes is None:
@@ -519,6 +536,24 @@ def static_value(t: tf.Tensor):
         return None  # TensorFlow's error, at run time; an empty max: no count
     reduce = np.max if t.op.type == "Max" else np.min
     return reduce(data, axis=axes, keepdims=t.op.get_attr("keep_dims"))
+
+
+def _folded_integer(t: tf.Tensor, depth: int):
+    """:func:`static_value` of an integer op of constants, or None (floats are not folded:
+    NumPy's rounding need not be the kernel's; nor a division by zero)."""
+    if not all(u.dtype.is_integer or u.dtype == tf.bool for u in (*t.op.inputs, t)):
+        return None
+    values = [static_value(u, depth - 1) for u in t.op.inputs]
+    if any(v is None for v in values):
+        return None
+    values = [np.asarray(v) for v in values]
+    if t.op.type == "Cast":
+        return values[0].astype(t.dtype.as_numpy_dtype)
+    if t.op.type in ("FloorDiv", "FloorMod") and np.any(values[1] == 0):
+        return None
+    with np.errstate(all="ignore"):  # integers wrap around in both, alike
+        out = _FOLDED_INTEGER_OPS[t.op.type](*values)
+    return np.asarray(out, dtype=t.dtype.as_numpy_dtype)
 
 
 def _constant_step(op, outputs, i: int):
