@@ -377,11 +377,16 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
         f" {len(while_ops)} of those ops are loops whose gradients store what every iteration "
         f"needs; {why_not}: to save inside such a loop, recompute its step with "
         "memsave_grads.recompute(step_fn) (docs/recurrent.md)." if while_ops else "")
+    compiled = function_ops.kept_compiled_calls(prepared.region)
+    compiled_hint = (
+        f" {len(compiled)} of those ops are calls of tf.function(jit_compile=True) functions "
+        "that read variables: such a call is kept whole, with everything its gradient needs; "
+        "to recompute inside, compile the whole step instead of each block." if compiled else "")
     _LOG.warning(
         "memsave_grads: checkpoints=%.80r saves no memory on this graph of %d forward ops (%s); "
-        "%s computes its gradients, at tf.gradients' own peak.%s "
+        "%s computes its gradients, at tf.gradients' own peak.%s%s "
         "memsave_grads.explain(...) shows the plan.", checkpoints, len(prepared.region), reason,
-        computed_by, loop_hint)
+        computed_by, loop_hint, compiled_hint)
 
 
 def run_plan(prepared: "Prepared", plan: plan_lib.Plan) -> list:

@@ -711,3 +711,30 @@ def test_a_recomputed_loop_step_says_nothing_under_patch(caplog):
               if r.name.startswith("memsave_grads") and r.levelname == "WARNING"]
     assert not warned, warned
     assert_grads_close([got], [tf.function(step)(x)])  # traced again, unpatched
+
+
+@pytest.mark.never_worse
+def test_blocks_compiled_on_their_own_are_named_where_nothing_is_saved(caplog):
+    """Each block a tf.function(jit_compile=True) reading its weight: such calls are kept
+    whole (not replayed), so nothing is saved (measured 76.5 MiB both ways at 32 blocks of 1
+    MiB); the warning says why and what helps (the whole step compiled instead: 136 -> 22 MiB)."""
+    weights = [tf.Variable(tf.random.stateless_normal([32, 32], seed=[i, 5]) / 8)
+               for i in range(12)]
+
+    def block_of(w):
+        return tf.function(lambda h: h + tf.tanh(h @ w), jit_compile=True, autograph=False)
+
+    blocks = [block_of(w) for w in weights]
+
+    @tf.function(autograph=False)
+    def step(x):
+        h = x
+        for block in blocks:
+            h = block(h)
+        return mg.gradients(tf.reduce_mean(h ** 2), weights, checkpoints="memory")
+
+    caplog.set_level("WARNING", logger="memsave_grads")
+    step(tf.random.stateless_normal([256, 32], seed=[6, 0]))
+    warned = [r.getMessage() for r in caplog.records if "saves no memory" in r.getMessage()]
+    assert len(warned) == 1 and "12 of those ops are calls of tf.function(jit_compile=True)" in (
+        warned[0]) and "compile the whole step" in warned[0], warned

@@ -780,6 +780,16 @@ def exposure_plan(op: tf.Operation, xla: bool | None = None,
     return plans
 
 
+def kept_compiled_calls(region: Sequence[tf.Operation]) -> list[tf.Operation]:
+    """The stateful calls of ``jit_compile`` functions in ``region`` (a block reading its
+    weights): never replayed (:func:`exposure_plan` leaves a call compiled on its own as XLA
+    has it), so kept with all they hold for their gradients."""
+    return [op for op in region if op.type in op_types.FUNCTION_CALL_OP_TYPES
+            and not tf_graph.is_replayable(op) and _compiled_alone(op)
+            and getattr(tf_graph.library_function(op.graph, op.get_attr("f").name), "graph",
+                        None) is not None]
+
+
 def _compiled_alone(op: tf.Operation) -> bool:
     """A call of a ``jit_compile`` function (left to XLA as it is), or of one whose traced
     graph is gone (imported: its nested calls have no gradient functions to copy)."""
