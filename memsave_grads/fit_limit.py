@@ -610,14 +610,16 @@ def search(method: str, try_size: Callable[[int], Attempt], start: int, maximum:
 # Report
 # --------------------------------------------------------------------------------------------
 
-def progress_line(attempt_: Attempt, dimension: str) -> str:
+def progress_line(attempt_: Attempt, dimension: str, baseline: str = PLAIN) -> str:
+    """One progress line; the reference method named ``baseline``, as the table names it."""
+    method = baseline if attempt_.method == PLAIN else attempt_.method
     if attempt_.fits:
         every = f" in all {attempt_.tries} tries" if attempt_.tries > 1 else ""
-        return (f"{attempt_.method}: {dimension} {attempt_.size} fits{every}, peak "
+        return (f"{method}: {dimension} {attempt_.size} fits{every}, peak "
                 f"{attempt_.peak_bytes / measure.MIB:.1f} MiB, {attempt_.step_seconds * 1e3:.0f} ms "
                 "per step")
     what = "out of memory" if attempt_.out_of_memory else "failed"
-    return f"{attempt_.method}: {dimension} {attempt_.size} {what}: {attempt_.error[:160]}"
+    return f"{method}: {dimension} {attempt_.size} {what}: {attempt_.error[:160]}"
 
 
 def baseline_name(kind: str | None) -> str:

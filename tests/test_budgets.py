@@ -65,6 +65,14 @@ def test_budget_validation(kwargs, words):
         assert word in str(info.value)
 
 
+@pytest.mark.parametrize("text, got", [("budget:150%", "got 1.5"), ("budget:0%", "got 0.0"),
+                                       ("budget:0.5B", "got 0")])
+def test_an_out_of_range_budget_string_is_named_as_written(text, got):
+    with pytest.raises(mg.InvalidArgumentError) as info:
+        mg.Budget.parse(text)
+    assert f"budget {text!r}" in str(info.value) and got in str(info.value)
+
+
 def test_a_budget_names_exactly_the_registered_solvers():
     """Budget validates solver names without importing the solvers (no import cycle): the two
     lists must agree."""
@@ -316,7 +324,8 @@ def test_byte_budget_needs_static_shapes(graph):
     for _ in range(6):
         h = tf.tanh(h @ w)
     loss = tf.reduce_sum(h)
-    with pytest.raises(mg.InvalidArgumentError, match="unknown dimensions.*fraction"):
+    with pytest.raises(mg.InvalidArgumentError,
+                       match="unknown dimensions.*assume_batch_size.*fraction"):
         mg.gradients(loss, [w], checkpoints="budget:1MiB")
     assert mg.gradients(loss, [w], checkpoints="budget:100%")[0] is not None
 

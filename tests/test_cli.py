@@ -211,6 +211,14 @@ def test_explain_command_prints_json_with_the_plan_in_bytes():
     assert plan["checkpoint_names"] and 0 < plan["recompute_fraction"] <= 1
 
 
+def test_explain_command_refuses_an_infeasible_budget_in_one_line():
+    """As with --model: the error and how to raise the budget, exit status 2, no traceback."""
+    proc = _run(["-m", "memsave_grads", "explain", "--models", "tanh MLP", "--checkpoints",
+                 "budget:1%"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Raise the budget to at least" in proc.stderr
+
+
 def test_benchmark_json_holds_every_result_plainly(monkeypatch, capsys, tmp_path):
     from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
     results = [[harness.Result("m", harness.REFERENCE, peak_bytes=100, median_seconds=0.5),

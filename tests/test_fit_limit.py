@@ -2,6 +2,7 @@
 model argument, tries in their own capped processes, and the whole command (slow); and
 explain(model) for Keras models."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -97,6 +98,9 @@ def test_a_size_fits_only_if_every_try_fits():
     assert outcome.peak_bytes == 520 and outcome.step_peak_bytes == 510   # the worst try's
     assert outcome.step_seconds == 1.5                    # the median try's, not the mean
     assert "fits in all 3 tries" in fit_limit.progress_line(outcome, "batch")
+    # The reference method named as the table names it (Keras' own step: "stock fit").
+    plain = dataclasses.replace(outcome, method=fit_limit.PLAIN)
+    assert fit_limit.progress_line(plain, "batch", "stock fit").startswith("stock fit: ")
     assert fit_limit.attempt_repeatedly(lambda: fit[0], 1) == fit[0]   # one try: as it came
 
     out = fit_limit.Attempt("m", 64, False, error="OOM when allocating", out_of_memory=True)

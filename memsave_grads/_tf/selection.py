@@ -244,8 +244,8 @@ def select_budget(ctx: SelectionContext, budget: budgets.Budget) -> plan_lib.Pla
         raise errors.InvalidArgumentError(
             f"checkpoints: {budget.describe()} is in bytes, but the forward graph has tensors "
             "with unknown dimensions (such as a None batch size), so their sizes are unknown. "
-            "Give the inputs a static shape, or pass a fraction: Budget(fraction=0.5) or "
-            "'budget:50%'.")
+            "Say the batch it runs (with memsave_grads.assume_batch_size(256): ...), give the "
+            "inputs a static shape, or pass a fraction: Budget(fraction=0.5) or 'budget:50%'.")
     model = ctx.model
     if budget.op_seconds:
         model = dataclasses.replace(model, costs=budgets.calibrated_costs(

@@ -271,8 +271,11 @@ def explain(args: argparse.Namespace) -> int:
         for spec in models.select(models.benchmark_models(), args.models):
             with tf.Graph().as_default():
                 loss, variables = spec.build()
-                reports.append((spec.description, explain_lib.explain(
-                    loss, variables, checkpoints=args.checkpoints)))
+                try:
+                    report = explain_lib.explain(loss, variables, checkpoints=args.checkpoints)
+                except errors.MemsaveGradsError as e:  # an infeasible budget, ...
+                    raise CommandLineError(f"{spec.description}: {e}") from None
+                reports.append((spec.description, report))
     if args.format == "json":
         _write(args, "", "memsave_grads explain", {"plans": [
             {"model": name, **report.as_dict()} for name, report in reports]})
@@ -357,11 +360,12 @@ def build_time_command(args: argparse.Namespace) -> int:
     return 1 if any(r.failed for r in results) else 0
 
 
-def _log_try(attempt: fit_limit.Attempt, index: int, dimension: str) -> None:
+def _log_try(attempt: fit_limit.Attempt, index: int, dimension: str, baseline: str) -> None:
     outcome = "fits" if attempt.fits else (
         "out of memory" if attempt.out_of_memory else "failed")
-    _LOG.info("%s: %s %d, try %d: %s", attempt.method, dimension, attempt.size, index,
-              outcome)
+    _LOG.info("%s: %s %d, try %d: %s",
+              baseline if attempt.method == fit_limit.PLAIN else attempt.method, dimension,
+              attempt.size, index, outcome)
 
 
 class CommandLineError(errors.InvalidArgumentError):
@@ -428,9 +432,11 @@ def fit_limit_command(args: argparse.Namespace) -> int:
         methods.append(fit_limit.KERAS_REMAT)
     dimension = "batch" if args.vary == "batch" else "sequence length"
     built = _check_fit_limit_model(args)
+    baseline = fit_limit.baseline_name(built["kind"] if built else None)
     searches = []
     for method in methods:
-        _LOG.info("%s: searching from %s %d ...", method, dimension, args.start)
+        _LOG.info("%s: searching from %s %d ...", baseline if method == fit_limit.PLAIN
+                  else method, dimension, args.start)
 
         def try_once(size, method=method):
             if args.vary == "batch":
@@ -445,17 +451,17 @@ def fit_limit_command(args: argparse.Namespace) -> int:
                 return try_once(size)
             return fit_limit.attempt_repeatedly(
                 lambda: try_once(size), args.tries,
-                on_try=lambda a, i: _log_try(a, i, dimension))
+                on_try=lambda a, i: _log_try(a, i, dimension, baseline))
 
         searches.append(fit_limit.search(
             method, try_size, args.start, args.max,
-            on_attempt=lambda a: _LOG.info("%s", fit_limit.progress_line(a, dimension))))
+            on_attempt=lambda a: _LOG.info("%s", fit_limit.progress_line(a, dimension,
+                                                                         baseline))))
     timings = _time_fit_limit_methods(args, searches)
     fixed = f", batch {args.batch}" if args.vary == "sequence" else ""
     every = f", a size fits if all {args.tries} tries fit" if args.tries > 1 else ""
     reserved = ", the limit reserved as one region" if args.reserve_limit else ""
     title = f"{args.model}: limit {args.limit_mib} MiB{fixed}{every}{reserved}"
-    baseline = fit_limit.baseline_name(built["kind"] if built else None)
     table = fit_limit.table(searches, dimension, args.limit_mib, timings, baseline)
     _write(args, f"{title}\n\n{table}\n\n{fit_limit.TABLE_NOTES}",
            "How much larger: memsave_grads fit-limit", {

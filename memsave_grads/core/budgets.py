@@ -176,14 +176,16 @@ class Budget:
         value, unit = float(match.group(1)), match.group(2).lower()
         solver = solver.strip() or DEFAULT_SOLVER
         if unit == "%":
-            return cls(fraction=value / 100, solver=solver, calibrate=calibrate)
+            return cls._from_text(text, fraction=value / 100, solver=solver,
+                                  calibrate=calibrate)
         if not unit:
             if value > 1:
                 raise errors.InvalidArgumentError(
                     f"checkpoints: budget {text!r} has no unit; a bare number is a fraction in "
                     f"(0, 1]. Write bytes with a unit ('{match.group(1)}B', "
                     f"'{match.group(1)}MiB') or a percentage. {example}")
-            return cls(fraction=value, solver=solver, calibrate=calibrate)
+            return cls._from_text(text, fraction=value, solver=solver,
+                                  calibrate=calibrate)
         if unit not in BYTE_UNITS:
             raise errors.InvalidArgumentError(
                 f"checkpoints: budget {text!r} has an unknown unit {match.group(2)!r}; expected "
@@ -195,7 +197,16 @@ class Budget:
                 f"checkpoints: budget {text!r} is larger than the largest budget, "
                 f"{MAX_BUDGET_BYTES} bytes (8 EiB). Pass the memory the step may use, such as "
                 f"'budget:4GiB', or a fraction. {example}")
-        return cls(bytes=int(nbytes), solver=solver, calibrate=calibrate)
+        return cls._from_text(text, bytes=int(nbytes), solver=solver, calibrate=calibrate)
+
+    @classmethod
+    def _from_text(cls, text: str, **fields) -> "Budget":
+        """``cls(**fields)``, its refusal naming the string the user wrote (``budget:150%``
+        rather than the fraction 1.5 it reads as)."""
+        try:
+            return cls(**fields)
+        except errors.InvalidArgumentError as e:
+            raise errors.InvalidArgumentError(f"checkpoints: budget {text!r}: {e}") from None
 
     def __repr__(self) -> str:
         fields = (f"bytes={self.bytes!r}, fraction={self.fraction!r}, solver={self.solver!r}")
