@@ -91,8 +91,8 @@ def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size:
     asked = _asked_budget(budget)
     _check_count("runs", runs)
     _check_count("max_measurements", max_measurements)
+    _validate.check_batch_size(batch_size)  # a step function's own batch: checked all the same
     if keras_flavour.is_keras_model(model_or_step):
-        _validate.check_batch_size(batch_size)
         _validate.check_bool(static_batch, "static_batch")
         return keras_calibration.calibrate_model(
             model_or_step, asked, batch_size=batch_size, sequence_length=sequence_length,

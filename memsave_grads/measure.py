@@ -162,6 +162,14 @@ def profile_op_seconds(session, fetches, feed_dict=None, runs: int = 3) -> dict[
     optimisation fused or renamed keep their FLOP estimate, scaled to seconds.
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    if not callable(getattr(session, "run", None)):
+        raise errors.InvalidTypeError(
+            f"profile_op_seconds: session: expected a tf.compat.v1.Session (the run is traced "
+            f"op by op), got {type(session).__name__}: {session!r:.80}.")
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise errors.InvalidArgumentError(
+            f"profile_op_seconds: runs: expected a whole number of traced runs, at least 1, "
+            f"got {runs!r:.80}. The default, 3, takes the median of three.")
     session.run(fetches, feed_dict=feed_dict)
     samples: dict[str, list[float]] = {}
     for _ in range(runs):
@@ -171,5 +179,6 @@ def profile_op_seconds(session, fetches, feed_dict=None, runs: int = 3) -> dict[
         for device in metadata.step_stats.dev_stats:
             for node in device.node_stats:
                 name = node.node_name.split(":")[0]
-                samples.setdefault(name, []).append(node.op_end_rel_micros * 1e-6)
+                samples.setdefault(name, []).append(
+                    (node.op_end_rel_micros - node.op_start_rel_micros) * 1e-6)
     return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}

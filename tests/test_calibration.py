@@ -95,6 +95,8 @@ def test_a_budget_no_plan_measures_within_is_refused_in_measured_terms():
     (dict(budget="budget:50%", max_measurements=True), mg.InvalidArgumentError,
      "max_measurements"),
     (dict(budget="budget:50%", batch_size=0), mg.InvalidArgumentError, "batch_size"),
+    (dict(model_or_step=lambda checkpoints: [], budget="budget:50%", batch_size=-5),
+     mg.InvalidArgumentError, "batch_size"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(kwargs, kind, words, monkeypatch):
     model = bn_dropout_mlp(KERAS["keras3"], depth=1, width=8)
