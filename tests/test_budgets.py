@@ -86,6 +86,20 @@ def test_calibrated_costs_use_measured_seconds_and_scale_the_rest():
     assert budgets.calibrated_costs(["a"], [3.0], {}) == (3.0,)
 
 
+def test_measured_seconds_of_another_graph_say_so(caplog):
+    """Names that match no op of the graph (a profile of another graph) leave the FLOP
+    estimates, with a warning rather than silently."""
+    caplog.set_level("WARNING", logger="memsave_grads")
+    assert budgets.calibrated_costs(["a", "b"], [3.0, 4.0], {"z": 1e-3}) == (3.0, 4.0)
+    assert any("names none of this graph's 2 forward ops" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.parametrize("fraction, text", [(0.5, "50%"), (0.005, "0.5%"), (1 / 3, "33.3%")])
+def test_a_budget_describes_its_fraction_without_rounding_it_away(fraction, text):
+    assert mg.Budget(fraction=fraction).describe().startswith(f"budget {text} ")
+
+
 # --------------------------------------------------------------------------------------------
 # Solvers (TensorFlow-free models)
 # --------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ problem a solver receives and how plans are scored live in ``memsave_grads.core.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import numbers
 import re
@@ -21,6 +22,9 @@ import statistics
 from typing import Mapping, Sequence
 
 from memsave_grads import errors
+
+#: This module's messages: a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 #: Byte units of the string form, case-insensitive. KB/MB/GB are powers of 1000, KiB/MiB/GiB
 #: of 1024.
@@ -221,7 +225,7 @@ class Budget:
             return (f"{dataclasses.replace(self.calibration.asked, calibrate=False).describe()}"
                     f", calibrated: planned at "
                     f"{self.fraction:.1%} of the predicted plain peak")
-        amount = format_bytes(self.bytes) if self.bytes is not None else f"{self.fraction:.0%}"
+        amount = format_bytes(self.bytes) if self.bytes is not None else _percent(self.fraction)
         return f"budget {amount} ({self.solver}{', to calibrate' if self.calibrate else ''})"
 
     def resolve_bytes(self, plain_peak_bytes: int) -> int:
@@ -368,6 +372,12 @@ def smallest_peak_budget(error: errors.InfeasibleBudgetError, asked: Budget) -> 
 # --------------------------------------------------------------------------------------------
 
 
+def _percent(fraction: float) -> str:
+    """``0.5`` as ``50%``, ``0.005`` as ``0.5%``: whole percents where they are exact."""
+    percent = fraction * 100
+    return f"{percent:.0f}%" if abs(percent - round(percent)) < 1e-9 else f"{percent:.3g}%"
+
+
 def calibrated_costs(names: Sequence[str], flops: Sequence[float],
                      op_seconds: Mapping[str, float]) -> tuple[float, ...]:
     """Recompute costs in seconds: measured where the profile has the op, else FLOPs times the
@@ -379,6 +389,11 @@ def calibrated_costs(names: Sequence[str], flops: Sequence[float],
     rates = [op_seconds[name] / f for name, f in zip(names, flops)
              if name in op_seconds and f > 0 and op_seconds[name] > 0]
     if not rates:
+        _LOG.warning(
+            "memsave_grads: Budget.op_seconds names none of this graph's %d forward ops with a "
+            "positive time (it names %d, such as %.60r); planning with FLOP estimates. Profile "
+            "this graph's plain training step (memsave_grads.profile_op_seconds).",
+            len(names), len(op_seconds), next(iter(op_seconds), None))
         return tuple(float(f) for f in flops)
     seconds_per_flop = statistics.median(rates)
     return tuple(float(op_seconds[name]) if name in op_seconds else f * seconds_per_flop
