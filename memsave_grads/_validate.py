@@ -602,6 +602,12 @@ def check_bool(value, name: str) -> None:
             f"{name}: expected True or False, got {type(value).__name__}: {value!r:.60}.")
 
 
+def check_count(value, name: str) -> None:
+    """Refuse a count of runs or tries other than an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise errors.InvalidArgumentError(f"{name}: expected an int >= 1, got {value!r:.60}.")
+
+
 def check_batch_size(batch_size, name: str = "batch_size", allow_none: bool = False) -> None:
     """Refuse a batch size other than a positive int (or None where ``allow_none``)."""
     if batch_size is None and allow_none:

@@ -11,7 +11,6 @@ budgets"). It returns a budget to pass where budgets go (``wrap_model``, ``gradi
 from __future__ import annotations
 
 import logging
-import numbers
 
 import tensorflow as tf
 
@@ -89,8 +88,8 @@ def calibrate_budget(model_or_step, budget: budgets.Budget | str, *, batch_size:
       InvalidTypeError, InvalidArgumentError: bad arguments (before anything runs).
     """
     asked = _asked_budget(budget)
-    _check_count("runs", runs)
-    _check_count("max_measurements", max_measurements)
+    _validate.check_count(runs, "runs")
+    _validate.check_count(max_measurements, "max_measurements")
     _validate.check_batch_size(batch_size)  # a step function's own batch: checked all the same
     if keras_flavour.is_keras_model(model_or_step):
         _validate.check_bool(static_batch, "static_batch")
@@ -117,11 +116,6 @@ def _asked_budget(budget) -> budgets.Budget:
     raise errors.InvalidTypeError(
         f"budget: expected a memsave_grads.Budget or a 'budget:...' string such as "
         f"'budget:50%', got {type(budget).__name__}: {budget!r:.80}.")
-
-
-def _check_count(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise errors.InvalidArgumentError(f"{name}: expected an int >= 1, got {value!r:.60}.")
 
 
 def _function_step(step, runs: int):

@@ -162,14 +162,12 @@ def profile_op_seconds(session, fetches, feed_dict=None, runs: int = 3) -> dict[
     optimisation fused or renamed keep their FLOP estimate, scaled to seconds.
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from memsave_grads import _validate  # pylint: disable=import-outside-toplevel
     if not callable(getattr(session, "run", None)):
         raise errors.InvalidTypeError(
             f"profile_op_seconds: session: expected a tf.compat.v1.Session (the run is traced "
             f"op by op), got {type(session).__name__}: {session!r:.80}.")
-    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
-        raise errors.InvalidArgumentError(
-            f"profile_op_seconds: runs: expected a whole number of traced runs, at least 1, "
-            f"got {runs!r:.80}. The default, 3, takes the median of three.")
+    _validate.check_count(runs, "profile_op_seconds: runs")
     session.run(fetches, feed_dict=feed_dict)
     samples: dict[str, list[float]] = {}
     for _ in range(runs):
