@@ -293,11 +293,15 @@ def lowest_peak_within_cost(problem: problem_lib.BudgetProblem,
         return None
     first = int(within[0])
     step = max(1, (table.quanta - first) // (2 * WITHIN_COST_TRIES))
-    best = None
+    best, trees = None, []
     for q in sorted({min(table.quanta, first + i * step) for i in range(WITHIN_COST_TRIES)}):
         if table.costs[q] > cost_cap:
             continue
-        found = _replayed(problem, search, chain, table.tree(q))
+        tree = table.tree(q)
+        if tree in trees:  # amounts a unit or two apart often rebuild the same tree
+            continue
+        trees.append(tree)
+        found = _replayed(problem, search, chain, tree)
         if found[0] <= cost_cap and found[1] < problem.budget_bytes and (
                 best is None or (found[1], found[0]) < (best[1], best[0])):
             best = found
