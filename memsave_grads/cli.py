@@ -41,6 +41,8 @@ PROG = "memsave-grads"
 #: importing TensorFlow. Kept equal to ``memsave_grads._tf.selection.STRATEGIES`` by
 #: tests/test_cli.py.
 STRATEGY_NAMES = ("collection", "memory", "speed")
+#: ``explain --model``'s batch size where ``--batch`` is not given.
+EXPLAIN_BATCH = 32
 
 #: TensorFlow's C++ log level unless the user set one: 2 hides INFO and WARNING start-up lines
 #: (oneDNN, CPU features) and keeps errors.
@@ -324,8 +326,10 @@ def _add_options(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--model", type=_model_source, metavar="MODEL",
                             help="explain this Keras model instead (as fit-limit's MODEL) "
                                  "for a batch of --batch")
-        parser.add_argument("--batch", type=_positive_int, default=32, metavar="N",
-                            help="with --model: the batch size (default: %(default)s)")
+        # Default None, so that --batch given without --model is told apart and refused (the
+        # benchmark networks' batch is their own); 32 where --model is given.
+        parser.add_argument("--batch", type=_positive_int, metavar="N",
+                            help=f"with --model: the batch size (default: {EXPLAIN_BATCH})")
         parser.add_argument("--sequence-length", type=_positive_int, metavar="N",
                             help="with --model: fills unknown input dimensions")
         parser.add_argument("--checkpoints", type=_checkpoints, default="memory",
@@ -608,6 +612,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.command_parsers[args.command].error(
             "argument --models: explains the benchmark networks; with --model (a model of "
             f"yours) leave it out, got --models {','.join(args.models)}")
+    if args.command == "explain" and not args.model:
+        for flag, value in (("--batch", args.batch), ("--sequence-length", args.sequence_length)):
+            if value is not None:
+                parser.command_parsers[args.command].error(
+                    f"argument {flag}: sizes a model of yours, given with --model; the "
+                    f"benchmark networks have their own sizes. Got {flag} {value} without "
+                    "--model")
+    if args.command == "explain" and args.batch is None:
+        args.batch = EXPLAIN_BATCH
     if args.command == "fit-limit" and args.start > args.max:
         parser.command_parsers[args.command].error(
             f"argument --start: expected at most --max ({args.max}), got {args.start}")

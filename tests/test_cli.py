@@ -332,6 +332,10 @@ USAGE_ERRORS = [
     (["explain", "--checkpoints", "fast"], "argument --checkpoints: expected a strategy "
      "(collection, memory, speed) or a budget"),
     (["explain", "--checkpoints", "budget:4XB"], "has an unknown unit 'XB'"),
+    (["explain", "--models", "mlp", "--batch", "8"], "argument --batch: sizes a model of yours, "
+     "given with --model; the benchmark networks have their own sizes. Got --batch 8 without "
+     "--model"),
+    (["explain", "--sequence-length", "16"], "Got --sequence-length 16 without --model"),
     (["tradeoff", "--output", "/no/such/folder/t.md"], "argument --output: expected a file in an "
      "existing folder, got '/no/such/folder/t.md'"),
     (["nonsense"], "argument COMMAND: invalid choice: 'nonsense'"),
