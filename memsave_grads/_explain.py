@@ -212,9 +212,13 @@ def _names(names, limit: int = 6) -> str:
     return shown + (f", ... {len(names) - limit} more" if len(names) > limit else "")
 
 
+#: The batch ``explain(model)`` traces where neither ``batch_size`` nor ``data`` is given.
+EXPLAINED_BATCH_SIZE = 32
+
+
 @tf.autograph.experimental.do_not_convert
 def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "memory", *,
-            batch_size: int = 32, sequence_length: int | None = None, data=None,
+            batch_size: int | None = None, sequence_length: int | None = None, data=None,
             release_gradients_early: bool = False, **tf_gradients_kwargs) -> PlanReport:
     """What ``gradients(ys, xs, checkpoints=checkpoints)`` would keep, recompute, and peak at.
 
@@ -223,8 +227,10 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
 
     ``ys`` may also be a compiled Keras model (``xs`` then left out): the plan of one training
     step of it, as ``wrap_model(model, checkpoints)`` would make it, for a batch of
-    ``batch_size`` examples (shapes from the model's inputs, outputs and loss; an unknown
-    sequence dimension is ``sequence_length``), or of the arrays ``data=(x, y)``. Nothing runs.
+    ``batch_size`` examples (default 32; shapes from the model's inputs, outputs and loss; an
+    unknown sequence dimension is ``sequence_length``), or of the arrays ``data=(x, y)``, whose
+    shapes are the batch's (so not with ``batch_size`` or ``sequence_length``). Nothing runs.
+    The size arguments apply to a model only: a loss tensor has its shapes.
     The weight gradients count as the step holds them: all alive until the optimizer applies
     them, or one at a time with ``release_gradients_early=True`` (as
     ``wrap_model(model, release_gradients_early=True)``, which a wrapped model also tells).
@@ -241,13 +247,33 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
                 f"its trainable weights; got xs={xs!r:.60} and options "
                 f"{sorted(tf_gradients_kwargs)}. Leave them out (or pass the loss tensor and "
                 "the variables instead of the model).")
-        _validate.check_batch_size(batch_size)
+        if data is not None:
+            given = {name: value for name, value in (("batch_size", batch_size),
+                                                     ("sequence_length", sequence_length))
+                     if value is not None}
+            if given:
+                name, value = next(iter(given.items()))
+                raise errors.InvalidArgumentError(
+                    f"{name}: the batch of data=(x, y) has its own shapes; got {name}={value!r} "
+                    "with data. Leave it out (or pass no data: a synthetic batch of "
+                    f"{name}).")
+        elif batch_size is None:
+            batch_size = EXPLAINED_BATCH_SIZE
+        if batch_size is not None:
+            _validate.check_batch_size(batch_size)
         _validate.check_bool(release_gradients_early, "release_gradients_early")
         keras_checks.check_trainable(ys, keras_flavour.flavour_of(ys), "explain")
         return keras_tracing.trace_training_step(
             ys, lambda loss, weights: explain(loss, weights, checkpoints),
             batch_size=batch_size, sequence_length=sequence_length, data=data,
             release_gradients_early=release_gradients_early)
+    for name, value in (("batch_size", batch_size), ("sequence_length", sequence_length),
+                        ("data", data)):
+        if value is not None:
+            raise errors.InvalidArgumentError(
+                f"{name}: sizes the training step of a Keras model passed as ys; a loss "
+                f"tensor's shapes are its graph's. Got {name}={value!r:.60} with ys={ys!r:.80}. "
+                "Leave it out, or build the loss for the batch you mean.")
     if release_gradients_early:
         raise errors.InvalidArgumentError(
             "release_gradients_early: applies to explain(model), the plan of a Keras model's "

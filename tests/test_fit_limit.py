@@ -294,6 +294,19 @@ def test_explain_model_refuses_bad_input():
     loss = tf.constant(1.0)
     with pytest.raises(mg.InvalidArgumentError, match="release_gradients_early: applies to"):
         mg.explain(loss, [loss], release_gradients_early=True)
+    # The sizes of a model's step, given where nothing uses them (they were ignored).
+    for sizes in ({"batch_size": 5}, {"sequence_length": 8}, {"data": (tf.ones((2, 16)),) * 2}):
+        name = next(iter(sizes))
+        with pytest.raises(mg.InvalidArgumentError, match=f"{name}: sizes the training step "
+                           "of a Keras model"):
+            mg.explain(loss, [loss], **sizes)
+    data = mg.keras.synthetic_batch(model, 4)
+    for sizes in ({"batch_size": 16}, {"sequence_length": 8}):
+        name = next(iter(sizes))
+        with pytest.raises(mg.InvalidArgumentError,
+                           match=f"{name}: the batch of data=\\(x, y\\) has its own shapes"):
+            mg.explain(model, data=data, **sizes)
+    assert mg.explain(model, data=data).forward_ops > 0
 
 
 def _wide(optimizer):
