@@ -119,6 +119,13 @@ class _Patch:
             self.tape_routing = None
 
     def __enter__(self):
+        # patch() patched already; a patch that has ended (unpatch(), or a `with` block left)
+        # would enter without patching anything.
+        if _active is not self:
+            raise errors.PatchStateError(
+                f"with: this patch (checkpoints={self.checkpoints!r}) has ended (unpatch() or "
+                "its with block), and entering it again does not patch. Call "
+                "memsave_grads.patch(...) again: `with memsave_grads.patch(...):`.")
         return self
 
     def __exit__(self, *exc_info):

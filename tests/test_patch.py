@@ -84,6 +84,22 @@ def test_patch_twice_and_unpatch_without_patch():
     assert isinstance(info.value, RuntimeError)
 
 
+def test_an_ended_patch_refuses_to_be_entered_again():
+    """It would enter without patching (tf.gradients as it was, silently)."""
+    ended = mg.patch("memory")
+    mg.unpatch()
+    with pytest.raises(mg.PatchStateError, match="has ended .* does not patch. Call "
+                       "memsave_grads.patch"):
+        with ended:
+            pass
+    with mg.patch("memory") as live:  # entered once, as patch() made it
+        assert mg.is_patched()
+    assert not mg.is_patched()
+    with pytest.raises(mg.PatchStateError, match="has ended"):
+        with live:
+            pass
+
+
 def test_patch_rejects_unknown_strategy_and_fallback():
     with pytest.raises(mg.UnknownStrategyError):
         mg.patch("fastest")
