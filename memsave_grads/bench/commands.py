@@ -268,7 +268,9 @@ def explain(args: argparse.Namespace) -> int:
         reports = [(f"{args.model} ({getattr(model, 'name', '')}, batch {args.batch})", report)]
     else:
         reports = []
-        for spec in models.select(models.benchmark_models(), args.models):
+        specs = models.select(models.benchmark_models(), args.models)
+        for i, spec in enumerate(specs, 1):
+            _LOG.info("[%d/%d] %s ...", i, len(specs), spec.description)
             with tf.Graph().as_default():
                 loss, variables = spec.build()
                 try:

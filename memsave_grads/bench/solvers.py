@@ -10,6 +10,7 @@ costs side by side, relative to the best plan any of them found.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Callable, Mapping, Sequence
 
@@ -24,6 +25,9 @@ from memsave_grads.core import plan as plan_lib
 from memsave_grads.core import solvers
 from memsave_grads.core.solvers import greedy
 from memsave_grads.core.solvers import problem as problem_lib
+
+#: This module's messages (progress lines, per graph): a child of the ``memsave_grads`` logger.
+_LOG = logging.getLogger(__name__)
 
 #: Budgets as fractions of tf.gradients' predicted peak.
 FRACTIONS = models.SOLVER_FRACTIONS
@@ -134,7 +138,10 @@ def compare(graphs: Mapping[str, Callable] | None = None, fractions: Sequence[fl
     """Every solver's plan for each graph (name -> builder of (loss, weights); default
     :data:`SMALL_GRAPHS`) at each budget, a fraction of tf.gradients' predicted peak."""
     rows = []
-    for name, build in (SMALL_GRAPHS if graphs is None else graphs).items():
+    chosen = SMALL_GRAPHS if graphs is None else graphs
+    for i, (name, build) in enumerate(chosen.items(), 1):
+        _LOG.info("[%d/%d] %s: %s at %s ...", i, len(chosen), name, ", ".join(solver_names),
+                  ", ".join(f"{f:.0%}" for f in fractions))
         graph = tf.Graph()
         with graph.as_default():
             problem = problem_for(*build())
