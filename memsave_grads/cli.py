@@ -450,10 +450,19 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------
 
 
-def _prepare_environment() -> None:
+#: Commands that measure peaks in this process (the allocator's statistics). The others build
+#: graphs only (explain, solvers, build-time) or measure in processes of their own (fit-limit).
+_MEASURES_PEAKS_HERE = frozenset({"demo", "benchmark", "scaling", "budgets", "tradeoff"})
+
+
+def _prepare_environment(command: str) -> dict[str, str | None]:
     """Set the allocator switch (and quiet TensorFlow's C++ start-up logs) before TensorFlow
-    is imported; if it already was, warn that peaks cannot be measured, and go on."""
-    if "tensorflow" in sys.modules and os.environ.get(measure.CPU_BFC_ENV) != "true":
+    is imported; if it already was and ``command`` measures peaks here, warn that they cannot
+    be measured, and go on. Returns the variables' values before, for :func:`main` to put
+    back (a caller of ``main()`` in its own process keeps its environment)."""
+    before = {name: os.environ.get(name) for name in (measure.CPU_BFC_ENV, TF_LOG_LEVEL_ENV)}
+    if ("tensorflow" in sys.modules and os.environ.get(measure.CPU_BFC_ENV) != "true"
+            and command in _MEASURES_PEAKS_HERE):
         warnings.warn(
             f"TensorFlow was imported before {measure.CPU_BFC_ENV}=true was set, so the CPU "
             "allocator keeps no statistics and peak memory cannot be measured (commands that "
@@ -462,6 +471,15 @@ def _prepare_environment() -> None:
             RuntimeWarning, stacklevel=3)
     os.environ[measure.CPU_BFC_ENV] = "true"
     os.environ.setdefault(TF_LOG_LEVEL_ENV, QUIET_TF_LOG_LEVEL)
+    return before
+
+
+def _restore_environment(before: dict[str, str | None]) -> None:
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 #: A line of TensorFlow's C++ logging: severity letter, date, time (before absl is initialised
@@ -625,14 +643,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.command_parsers[args.command].error(
             f"argument --start: expected at most --max ({args.max}), got {args.start}")
     _require_tensorflow(parser)
-    _prepare_environment()
-    _import_tensorflow()
-    from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
-    with _logging_to_stderr(args.verbose):
-        try:
-            return commands.COMMANDS[args.command](args)
-        except commands.CommandLineError as e:
-            parser.command_parsers[args.command].error(str(e))
+    environment = _prepare_environment(args.command)
+    try:
+        _import_tensorflow()
+        from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
+        with _logging_to_stderr(args.verbose):
+            try:
+                return commands.COMMANDS[args.command](args)
+            except commands.CommandLineError as e:
+                parser.command_parsers[args.command].error(str(e))
+    finally:
+        _restore_environment(environment)
 
 
 def run() -> int:

@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import tensorflow as tf
@@ -444,9 +445,24 @@ def test_environment_is_set_and_a_late_tensorflow_import_warned(monkeypatch):
     monkeypatch.delenv(measure.CPU_BFC_ENV, raising=False)
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
     with pytest.warns(RuntimeWarning, match="peak memory cannot be measured"):
-        cli._prepare_environment()  # pylint: disable=protected-access
+        before = cli._prepare_environment("demo")  # pylint: disable=protected-access
     assert os.environ[measure.CPU_BFC_ENV] == "true"
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "0"  # the user's level wins
+    cli._restore_environment(before)  # pylint: disable=protected-access
+    assert measure.CPU_BFC_ENV not in os.environ and os.environ["TF_CPP_MIN_LOG_LEVEL"] == "0"
+
+
+def test_main_in_process_warns_only_where_it_measures_peaks_and_keeps_the_environment(
+        monkeypatch, capsys):
+    """A command that builds graphs only says nothing of the allocator, and main() called in
+    a process of the caller's leaves its environment as it found it."""
+    monkeypatch.delenv(measure.CPU_BFC_ENV, raising=False)
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cli.main(["explain", "--models", "tanh MLP", "--format", "json"]) == 0
+    assert '"plans"' in capsys.readouterr().out
+    assert measure.CPU_BFC_ENV not in os.environ and "TF_CPP_MIN_LOG_LEVEL" not in os.environ
 
 
 # cuInit's failure is an error line on every machine without a GPU driver, and says no more
