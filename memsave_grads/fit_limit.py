@@ -265,19 +265,31 @@ def _error_line(error: Exception) -> str:
 def _check_here(request: dict) -> dict:
     """The child's side of :func:`check`: build once, uncapped, and say what was built (for a
     Keras model, with the bytes of its weights and of its optimizer's state)."""
+    sequence = request.get("sequence_length")
     try:
-        kind, target, _ = build(request["source"], request["batch_size"],
-                                request.get("sequence_length"))
+        kind, target, data = build(request["source"], request["batch_size"], sequence)
         if kind == "step":
             return {"kind": "step"}
         from memsave_grads import keras as keras_lib  # pylint: disable=import-outside-toplevel
         flavour = keras_lib.flavour_of(target)
         keras_lib.check_trainable(target, flavour, "fit-limit")
-        return {"kind": "keras", "keras": flavour.name,
-                "weights_bytes": _bytes_of(target.weights),
-                "optimizer_state_bytes": _optimizer_state_bytes(target)}
+        built = {"kind": "keras", "keras": flavour.name,
+                 "weights_bytes": _bytes_of(target.weights),
+                 "optimizer_state_bytes": _optimizer_state_bytes(target)}
+        if sequence is not None:
+            # A builder that ignores sequence_length (or a model of a fixed length) gives the
+            # same batch at every length: a search over lengths would measure one model.
+            _, _, longer = build(request["source"], request["batch_size"], sequence + 1)
+            built["ignores_sequence_length"] = _shapes(data) == _shapes(longer)
+        return built
     except Exception as e:  # pylint: disable=broad-except  # the user's model, reported whole
         return {"error": error_text(e)}
+
+
+def _shapes(data) -> list[tuple]:
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    return [tuple(np.shape(a)) for a in tf.nest.flatten(data)]
 
 
 def _bytes_of(variables) -> int:

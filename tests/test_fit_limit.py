@@ -511,6 +511,48 @@ def test_a_try_with_early_release_wraps_the_model_so(monkeypatch):
     assert "Keras models only" in fit_limit._try_here(step)["error"]  # pylint: disable=protected-access
 
 
+
+_SEQUENCE_MODELS = """
+import keras
+
+
+def _model(length):
+    inputs = keras.Input((length, 4))
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(
+        keras.layers.Dense(8)(inputs))))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def sized(batch_size, sequence_length=16):
+    return _model(sequence_length)
+
+
+def fixed(batch_size, sequence_length=16):
+    return _model(16)   # ignores sequence_length
+"""
+
+
+def test_a_builder_that_ignores_the_sequence_length_is_told(tmp_path):
+    """--vary sequence over a builder that gives the same batch at every length would measure
+    one model over and over (it reported a length it never tried)."""
+    from memsave_grads import cli  # pylint: disable=import-outside-toplevel
+    from memsave_grads.bench import commands  # pylint: disable=import-outside-toplevel
+    source = tmp_path / "sequence_models.py"
+    source.write_text(_SEQUENCE_MODELS)
+    request = {"check": True, "batch_size": 2, "sequence_length": 8}
+    check = fit_limit._check_here  # pylint: disable=protected-access
+    assert check(dict(request, source=f"{source}:fixed"))["ignores_sequence_length"] is True
+    assert check(dict(request, source=f"{source}:sized"))["ignores_sequence_length"] is False
+    assert "ignores_sequence_length" not in check(dict(request, source=f"{source}:sized",
+                                                        sequence_length=None))
+    args = cli.build_parser().parse_args(
+        ["fit-limit", f"{source}:fixed", "--vary", "sequence", "--start", "8", "--max", "64",
+         "--limit-mib", "512"])
+    with pytest.raises(commands.CommandLineError, match="gives the same batch shapes at lengths "
+                       "8 and 9: its builder ignores sequence_length"):
+        commands._check_fit_limit_model(args)  # pylint: disable=protected-access
+
 _BAD_MODELS = '''
 import keras
 

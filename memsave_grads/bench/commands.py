@@ -404,6 +404,12 @@ def _check_fit_limit_model(args: argparse.Namespace) -> dict | None:
         raise CommandLineError(
             f"argument --keras-remat: keras.RematScope is Keras 3's; {args.model} is a "
             f"{built['keras']} model, which it would leave as it is. Leave the flag out.")
+    if built is not None and built.get("ignores_sequence_length"):
+        raise CommandLineError(
+            f"argument --vary: sequence searches over sequence lengths, but {args.model} "
+            f"gives the same batch shapes at lengths {args.start} and {args.start + 1}: its "
+            "builder ignores sequence_length (or its inputs have a fixed length). Take "
+            "sequence_length in the builder and size the inputs by it, or vary the batch.")
     if built is not None and "weights_bytes" in built:
         _check_limit_above_state(args, built["weights_bytes"], built["optimizer_state_bytes"])
     return built
