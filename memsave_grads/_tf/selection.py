@@ -503,9 +503,10 @@ def decide_schedule(ctx: SelectionContext, checkpoints: ParsedCheckpoints,
             False, "the strategy keeps nothing beyond the tensors kept anyway (variable reads, "
             "stateful ops, xs), so its plan is plain tf.gradients"))
     peak, plain, scratch = _predicted_peaks(ctx, plan)
-    predicted = (f"predicted peak {budgets.format_bytes(peak)} against tf.gradients' "
-                 f"{budgets.format_bytes(plain)}"
-                 + (f", gradient kernels' scratch of up to {budgets.format_bytes(scratch)} "
+    # One unit for the numbers compared (a KiB peak against a MiB one read as larger).
+    predicted = (f"predicted peak {budgets.format_bytes(peak, 'MiB')} against tf.gradients' "
+                 f"{budgets.format_bytes(plain, 'MiB')}"
+                 + (f", gradient kernels' scratch of up to {budgets.format_bytes(scratch, 'MiB')} "
                     "included" if scratch else "")
                  + (", per unit of the unknown dimensions, variables' gradients left out"
                     if ctx.unknown_dimensions else ""))
@@ -530,7 +531,7 @@ def decide_schedule(ctx: SelectionContext, checkpoints: ParsedCheckpoints,
         if doubled > plain:
             return _logged(checkpoints, ScheduleDecision(
                 False, f"with each scratch buffer held twice over, as the allocator may, the "
-                f"plan is predicted to peak at {budgets.format_bytes(doubled)}, above "
+                f"plan is predicted to peak at {budgets.format_bytes(doubled, 'MiB')}, above "
                 f"tf.gradients ({predicted})", peak, plain, scratch))
     return _logged(checkpoints, ScheduleDecision(
         True, f"the plan is predicted to beat tf.gradients ({predicted})", peak, plain, scratch))
