@@ -382,11 +382,17 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
         f" {len(compiled)} of those ops are calls of tf.function(jit_compile=True) functions "
         "that read variables: such a call is kept whole, with everything its gradient needs; "
         "to recompute inside, compile the whole step instead of each block." if compiled else "")
+    customs = [op for op in prepared.region if tf_graph.is_custom_gradient_op(op)]
+    custom_hint = (
+        f" {len(customs)} of those ops end tf.custom_gradient functions (tf.recompute_grad "
+        "blocks, keras.RematScope): their own gradients read the functions' arguments from the "
+        "forward pass, which stay alive whatever a plan keeps; without tf.recompute_grad "
+        "(RematScope), 'memory' plans the whole graph." if customs else "")
     _LOG.warning(
         "memsave_grads: checkpoints=%.80r saves no memory on this graph of %d forward ops (%s); "
-        "%s computes its gradients, at tf.gradients' own peak.%s%s "
+        "%s computes its gradients, at tf.gradients' own peak.%s%s%s "
         "memsave_grads.explain(...) shows the plan.", checkpoints, len(prepared.region), reason,
-        computed_by, loop_hint, compiled_hint)
+        computed_by, loop_hint, compiled_hint, custom_hint)
 
 
 def run_plan(prepared: "Prepared", plan: plan_lib.Plan) -> list:

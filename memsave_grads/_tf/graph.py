@@ -595,6 +595,15 @@ def is_custom_gradient_override(op_type: str) -> bool:
     return op_type.startswith(_CUSTOM_GRADIENT_PREFIX)
 
 
+def is_custom_gradient_op(op: tf.Operation) -> bool:
+    """Whether ``op`` is the ``IdentityN`` through which a ``tf.custom_gradient`` function
+    (``tf.recompute_grad``, ``keras.RematScope``, ``memsave_grads.recompute``) returns its
+    results: its gradient is the function's own, which reads the function's arguments (and
+    whatever else it closed over) from the forward pass, not from a copy (design note
+    "custom gradients")."""
+    return op.type == "IdentityN" and is_custom_gradient_override(gradient_override(op) or "")
+
+
 def loop_body_has_custom_gradient(loop: tf.Operation) -> bool:
     """Whether the body of a while op holds a ``tf.custom_gradient`` (``recompute()``, or
     ``tf.recompute_grad``): then its gradient need not store every tensor of every iteration."""
@@ -841,6 +850,59 @@ def _variable_gradient_bytes(region, index, x_refs, gradients_held: bool) -> lis
     return params
 
 
+def _custom_gradient_results(op: tf.Operation, index: dict) -> set:
+    """The inputs of ``tf.custom_gradient``'s IdentityN ``op`` that are the function's results
+    (refs): its inputs are the results, then the arguments and variables, and the registered
+    gradient gives None for the results. A result is told by depending on a later input (an
+    argument); the first input that does not is the first argument."""
+    results = set()
+    for j, t in enumerate(op.inputs):
+        later = {u.ref() for u in op.inputs[j + 1:] if u.ref() != t.ref()}
+        floors = [index[u.op] for u in op.inputs[j + 1:] if u.op in index]
+        floor = min(floors) if len(floors) == len(later) and floors else 0
+        if not later or not _computed_from(t, later, floor, index):
+            break
+        results.add(t.ref())
+    return results
+
+
+def _computed_from(t: tf.Tensor, targets: set, floor: int, index: dict) -> bool:
+    """Whether ``t`` is computed from one of ``targets`` (refs) within the region; ops of the
+    region before ``floor`` cannot lead to them."""
+    stack, seen = [t.op], set()
+    while stack:
+        for u in stack.pop().inputs:
+            if u.ref() in targets:
+                return True
+            if u.op in index and index[u.op] >= floor and u.op not in seen:
+                seen.add(u.op)
+                stack.append(u.op)
+    return False
+
+
+def _under_custom_gradients(region: Sequence[tf.Operation], index: dict, y_ops: set
+                            ) -> tuple[frozenset, dict]:
+    """``(shadowed, customs)``: ``customs`` maps each ``tf.custom_gradient`` IdentityN of
+    ``region`` (node number) to its results (:func:`_custom_gradient_results`); ``shadowed``
+    are the nodes no gradient reaches, because each of their paths to ys enters such an op as
+    one of its results (its gradient function computes the arguments' gradients itself;
+    ``tf.recompute_grad`` recomputes the results from them). tf.gradients never
+    differentiates those: they keep nothing for the backward pass and get no partials."""
+    customs = {i: _custom_gradient_results(op, index) for i, op in enumerate(region)
+               if is_custom_gradient_op(op)}
+    if not customs:
+        return frozenset(), {}
+    reached = [op in y_ops for op in region]
+    for i in reversed(range(len(region))):
+        if not reached[i]:
+            continue
+        results = customs.get(i, ())
+        for t in region[i].inputs:
+            if t.op in index and t.ref() not in results:
+                reached[index[t.op]] = True
+    return frozenset(i for i, r in enumerate(reached) if not r), customs
+
+
 def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
                      ys: Sequence[tf.Tensor], gradients_held: bool = False,
                      function_facts: Callable | None = None) -> graph_lib.ForwardGraph:
@@ -886,33 +948,47 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
                          op_types.gradient_reads_input(op.type, i, differentiable, static_shapes))
                 read[index[t.op]] = read.get(index[t.op], False) or reads
         unread.append(frozenset(p for p, r in read.items() if not r))
+    # Under a tf.custom_gradient, only its gradient function runs: it reads the arguments
+    # (tf.recompute_grad recomputes from them), and nothing reaches the function's own ops.
+    shadowed, customs = _under_custom_gradients(region, index, y_ops)
+    # Its IdentityN's outputs alias its inputs (a view of them all, held while its gradient
+    # is pending: the results, which the arguments of the blocks after are, and the arguments).
+    for i in customs:
+        reads_inputs[i] = True
+        unread[i] = frozenset()
+    reads_inputs = [r and i not in shadowed for i, r in enumerate(reads_inputs)]
     # A view (reshape, identity) costs no bytes, but "reads" its input whenever a consumer's
     # gradient reads the view: that keeps the shared buffer alive in the memory model.
     for i in reversed(range(len(region))):
-        if region[i].type in op_types.MEMORY_MODEL_VIEW_OP_TYPES:
+        if region[i].type in op_types.MEMORY_MODEL_VIEW_OP_TYPES and i not in customs:
             reads_inputs[i] = any(reads_inputs[index[c]] and i not in unread[index[c]]
                                   for t in region[i].outputs for c in t.consumers() if c in index)
     params = _variable_gradient_bytes(region, index, x_refs, gradients_held)
+    params = [0 if i in shadowed else p for i, p in enumerate(params)]
     return graph_lib.ForwardGraph(
         inputs=tuple(inputs),
-        size_bytes=tuple(0 if op.type in op_types.ALIAS_OP_TYPES else op_bytes(op)
-                         for op in region),
+        size_bytes=tuple(0 if op.type in op_types.ALIAS_OP_TYPES or i in customs
+                         else op_bytes(op) for i, op in enumerate(region)),
         reads_source=tuple(reads_source),
         feeds_sink=tuple(op in y_ops for op in region),
         names=tuple(op.name for op in region),
         expensive=tuple(is_expensive(op) for op in region),
         grad_reads_inputs=tuple(reads_inputs),
-        grad_reads_output=tuple(op_types.gradient_reads_output(op.type) if found is None
-                                else found.reads_output for op, found in zip(region, facts)),
+        grad_reads_output=tuple(i not in shadowed and (
+            op_types.gradient_reads_output(op.type) if found is None else found.reads_output)
+            for i, (op, found) in enumerate(zip(region, facts))),
         param_bytes=tuple(params),
-        views=tuple(op.type in op_types.MEMORY_MODEL_VIEW_OP_TYPES for op in region),
+        views=tuple(op.type in op_types.MEMORY_MODEL_VIEW_OP_TYPES or i in customs
+                    for i, op in enumerate(region)),
         costs=tuple(op_flops(op) if found is None else found.cost
                     for op, found in zip(region, facts)),
         unread_inputs=tuple(frozenset(u) if reads else frozenset()
                             for u, reads in zip(unread, reads_inputs)),
         forwards=tuple(op_types.forwards_input_buffer(op.type) for op in region),
-        no_gradient=tuple(not any(carries_gradients(t) for t in op.outputs) for op in region),
-        internal_saved_bytes=(tuple(0 if found is None else found.saved_bytes for found in facts)
+        no_gradient=tuple(i in shadowed or not any(carries_gradients(t) for t in op.outputs)
+                          for i, op in enumerate(region)),
+        internal_saved_bytes=(tuple(0 if found is None or i in shadowed else found.saved_bytes
+                                    for i, found in enumerate(facts))
                               if any(f is not None for f in facts) else ()),
         gradients_held=gradients_held,
     )
