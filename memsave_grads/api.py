@@ -382,7 +382,7 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
         f" {len(compiled)} of those ops are calls of tf.function(jit_compile=True) functions "
         "that read variables: such a call is kept whole, with everything its gradient needs; "
         "to recompute inside, compile the whole step instead of each block." if compiled else "")
-    customs = [op for op in prepared.region if tf_graph.is_custom_gradient_op(op)]
+    customs = tf_graph.recomputing_custom_gradients(prepared.region)
     custom_hint = (
         f" {len(customs)} of those ops end tf.custom_gradient functions (tf.recompute_grad "
         "blocks, keras.RematScope): their own gradients read the functions' arguments from the "

@@ -597,11 +597,41 @@ def is_custom_gradient_override(op_type: str) -> bool:
 
 def is_custom_gradient_op(op: tf.Operation) -> bool:
     """Whether ``op`` is the ``IdentityN`` through which a ``tf.custom_gradient`` function
-    (``tf.recompute_grad``, ``keras.RematScope``, ``memsave_grads.recompute``) returns its
-    results: its gradient is the function's own, which reads the function's arguments (and
-    whatever else it closed over) from the forward pass, not from a copy (design note
-    "custom gradients")."""
+    returns its results: its gradient is the function's own, which reads the function's
+    arguments (and whatever else it closed over) from the forward pass, not from a copy
+    (design note "custom gradients")."""
     return op.type == "IdentityN" and is_custom_gradient_override(gradient_override(op) or "")
+
+
+def recomputing_custom_gradients(region: Sequence[tf.Operation]) -> set[tf.Operation]:
+    """The custom-gradient ``IdentityN`` ops of ``region`` whose functions compute a matmul,
+    convolution or einsum (:func:`is_expensive`): ``tf.recompute_grad`` blocks,
+    ``keras.RematScope``'s, ``memsave_grads.recompute``'s, whose gradients run the block again
+    from its original arguments. Elementwise ones (``tf.nn.silu``'s, a gradient reversal)
+    read their input as a built-in op's gradient would, and are modelled as ordinary ops
+    (design note "custom gradients")."""
+    index = None
+    found = set()
+    for op in region:
+        if not is_custom_gradient_op(op):
+            continue
+        if index is None:
+            index = {o: i for i, o in enumerate(region)}
+        results = _custom_gradient_results(op, index)
+        arguments = [t for t in op.inputs if t.ref() not in results]
+        if not results or not arguments:
+            continue
+        argument_refs = {t.ref() for t in arguments}
+        # The function's ops: made after its arguments, up to them. Not only the region's:
+        # under a tape the results were computed while recording was stopped, and the region
+        # leaves them out.
+        floor = min(creation_index(t.op) for t in arguments)
+        inside = walk([t.op for t in op.inputs if t.ref() in results],
+                      lambda o: [t.op for t in o.inputs if t.ref() not in argument_refs],
+                      include=lambda o: creation_index(o) > floor)
+        if any(is_expensive(o) for o in inside):
+            found.add(op)
+    return found
 
 
 def loop_body_has_custom_gradient(loop: tf.Operation) -> bool:
@@ -882,14 +912,15 @@ def _computed_from(t: tf.Tensor, targets: set, floor: int, index: dict) -> bool:
 
 def _under_custom_gradients(region: Sequence[tf.Operation], index: dict, y_ops: set
                             ) -> tuple[frozenset, dict]:
-    """``(shadowed, customs)``: ``customs`` maps each ``tf.custom_gradient`` IdentityN of
-    ``region`` (node number) to its results (:func:`_custom_gradient_results`); ``shadowed``
+    """``(shadowed, customs)``: ``customs`` maps each recomputing ``tf.custom_gradient``
+    IdentityN of ``region`` (:func:`recomputing_custom_gradients`; node number) to its results
+    (:func:`_custom_gradient_results`); ``shadowed``
     are the nodes no gradient reaches, because each of their paths to ys enters such an op as
     one of its results (its gradient function computes the arguments' gradients itself;
     ``tf.recompute_grad`` recomputes the results from them). tf.gradients never
     differentiates those: they keep nothing for the backward pass and get no partials."""
-    customs = {i: _custom_gradient_results(op, index) for i, op in enumerate(region)
-               if is_custom_gradient_op(op)}
+    recomputing = recomputing_custom_gradients(region)
+    customs = {index[op]: _custom_gradient_results(op, index) for op in recomputing}
     if not customs:
         return frozenset(), {}
     reached = [op in y_ops for op in region]

@@ -139,9 +139,10 @@ class SelectionContext:
         # A loop recomputed inside is differentiated where it ran: a copy would not carry the
         # recomputation's gradient, which refers to the loop's own body (design note "control
         # flow and calls").
+        custom = tf_graph.recomputing_custom_gradients(self.region)
         not_replayed = [i for i in must_keep if not tf_graph.is_replayable(self.region[i])
                         or self.region[i] in self.recomputed_loops
-                        or tf_graph.is_custom_gradient_op(self.region[i])]
+                        or self.region[i] in custom]
         return candidates, must_keep, not_replayed
 
     @property
@@ -554,15 +555,17 @@ def forced_keep(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
     again, so it is never copied; its in-region inputs are kept too, so that its gradient can
     be taken through the original op from kept tensors alone. So is a loop whose body is
     recomputed inside (``recomputed_loops``): its gradient replays each iteration, so a copy
-    of it would only replay the loop once more. So is a ``tf.custom_gradient`` function's
-    ``IdentityN`` (``tf.recompute_grad``): a copy's gradient would still be the function's own,
-    which reads the original arguments, so they stay alive whatever a plan keeps (design note
-    "custom gradients").
+    of it would only replay the loop once more. So is the ``IdentityN`` of a
+    ``tf.custom_gradient`` function that recomputes a block (``tf.recompute_grad``;
+    ``graph.recomputing_custom_gradients``): a copy's gradient would still be the function's
+    own, which reads the original arguments, so they stay alive whatever a plan keeps (design
+    note "custom gradients").
     """
     recomputed_loops = set(recomputed_loops)
     region_set = set(region)
     x_refs = {x.ref() for x in xs}
     keep = set()
+    custom = tf_graph.recomputing_custom_gradients(region)
     for op in region:
         if tf_graph.uses_v1_control_flow(op):
             raise errors.UnsupportedGraphError(
@@ -573,7 +576,7 @@ def forced_keep(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
                 "tf.gradients for this graph.")
         if any(t.ref() in x_refs for t in op.outputs):
             keep.add(op)
-        if op in recomputed_loops or tf_graph.is_custom_gradient_op(op) or (
+        if op in recomputed_loops or op in custom or (
                 not tf_graph.is_replayable(op) and function_ops.exposure_plan(op) is None):
             # A stateful cond or call that exposes its state is replayed instead (design
             # note "control flow and calls").
