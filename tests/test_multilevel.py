@@ -151,6 +151,25 @@ def test_sub_plans_that_keep_nothing_replay_as_one_level(g, data):
         memory_model.plan_peak_and_cost(g, plan_lib.Plan(closed))
 
 
+@settings(max_examples=60, deadline=None)
+@given(dags(min_nodes=3, max_nodes=18, min_size_bytes=0, max_size_bytes=9, max_extra_sinks=0,
+            gradient_flags=True), st.data())
+def test_a_capped_replay_answers_as_the_full_one(g, data):
+    """``stop_above_bytes``: a plan peaking at most the cap gets the full replay's peak and
+    cost; one above it a peak above the cap (where the replay stopped), nested levels
+    included."""
+    kept = graph_lib.close_segments(g, data.draw(st.sets(st.integers(0, g.num_nodes - 1))))
+    inner = data.draw(st.sets(st.sampled_from(sorted(kept)))) if kept else set()
+    plan = plan_lib.Plan(kept, children={k: plan_lib.Plan(frozenset()) for k in inner})
+    peak, cost = memory_model.plan_peak_and_cost(g, plan)
+    cap = data.draw(st.integers(0, peak + 2))
+    capped = memory_model.plan_peak_and_cost(g, plan, stop_above_bytes=cap)
+    if peak <= cap:
+        assert capped == (peak, cost)
+    else:
+        assert cap < capped[0] <= peak and capped[1] <= cost
+
+
 def test_one_level_cost_equals_budgets_score_on_a_chain():
     g = tanh_chain(40, MIB)
     plan = planners.frontier_cuts(g, [], range(39))

@@ -72,6 +72,23 @@ class Ledger:
         self.live -= nbytes
 
 
+class _PeakAbove(Exception):
+    """A capped replay's peak passed its cap (:func:`replay`'s ``stop_above_bytes``)."""
+
+
+class _CappedLedger(Ledger):
+    """A ledger that ends the replay once the bytes in use pass ``cap``."""
+
+    def __init__(self, cap: int):
+        super().__init__()
+        self.cap = cap
+
+    def alloc(self, nbytes: int) -> None:
+        super().alloc(nbytes)
+        if self.live > self.cap:
+            raise _PeakAbove()
+
+
 def variable_step_bytes(graph: graph_lib.ForwardGraph, v: int) -> int:
     """Bytes the variables' side of ``v``'s backward step allocates: their gradients and,
     where each is applied at once, the copies the updates make (an update that runs while this
@@ -135,9 +152,12 @@ def plan_peak_bytes(graph: graph_lib.ForwardGraph, kept: Iterable[int],
 
 
 def plan_peak_and_cost(graph: graph_lib.ForwardGraph, plan: plan_lib.Plan,
-                       workspace_bytes: Sequence[int] | None = None) -> tuple[int, float]:
-    """(predicted peak bytes, recompute cost) of a plan, nested levels included."""
-    return replay(graph, schedule_lib.of_plan(graph, plan), workspace_bytes)
+                       workspace_bytes: Sequence[int] | None = None,
+                       stop_above_bytes: int | None = None) -> tuple[int, float]:
+    """(predicted peak bytes, recompute cost) of a plan, nested levels included
+    (``stop_above_bytes`` as in :func:`replay`)."""
+    return replay(graph, schedule_lib.of_plan(graph, plan), workspace_bytes,
+                  stop_above_bytes=stop_above_bytes)
 
 
 def copied_cost(graph: graph_lib.ForwardGraph, plan: plan_lib.Plan) -> float:
@@ -154,27 +174,34 @@ def copied_cost(graph: graph_lib.ForwardGraph, plan: plan_lib.Plan) -> float:
 
 def replay(graph: graph_lib.ForwardGraph, sched: schedule_lib.Schedule,
            workspace_bytes: Sequence[int] | None = None,
-           trace: list | None = None) -> tuple[int, float]:
+           trace: list | None = None,
+           stop_above_bytes: int | None = None) -> tuple[int, float]:
     """Replay a schedule in bytes, as the rewrite runs it: (peak bytes, recompute cost).
 
     The cost counts a node once per time it is replayed (at depth d: d times); kept nodes
     themselves are not counted. ``trace``, if given, receives the nodes each level recomputes,
     in the order the levels run (what the rewrite copies; tests compare the two).
+    ``stop_above_bytes``: a caller that wants only plans peaking at most that gets, for the
+    others, the bytes in use when they passed it (above it; the cost so far), without the
+    rest of the replay (design note "planning cost").
     """
-    replayer = _Replayer(graph, workspace_bytes, trace)
-    replayer.run(sched)
+    replayer = _Replayer(graph, workspace_bytes, trace, stop_above_bytes)
+    try:
+        replayer.run(sched)
+    except _PeakAbove:
+        pass
     return replayer.ledger.peak, replayer.cost
 
 
 class _Replayer:
     """One replay: the ledger, the gradients alive, the recompute cost so far."""
 
-    def __init__(self, graph, workspace_bytes, trace):
+    def __init__(self, graph, workspace_bytes, trace, stop_above_bytes=None):
         self.graph = graph
         self.consumers = graph.consumers()
         self.workspace_bytes = workspace_bytes
         self.trace = trace
-        self.ledger = Ledger()
+        self.ledger = Ledger() if stop_above_bytes is None else _CappedLedger(stop_above_bytes)
         self.grads: set[int] = set()
         self.cost = 0.0
         #: Nodes whose internal saved bytes are allocated (ForwardGraph.internal_saved_bytes).

@@ -149,7 +149,9 @@ def _nested_below(problem: problem_lib.BudgetProblem) -> plan_lib.Plan | None:
     where it predicts a peak clearly below the single-level plan's (``problem.budget_bytes``);
     else None (design note "nested by default")."""
     cap = NESTED_COST_CAP_FRACTION * problem.graph.forward_cost()
-    found = lowest_peak_within_cost(problem, cap)
+    # Plans above the factor are refused below: their replays may stop once they pass it.
+    found = lowest_peak_within_cost(problem, cap,
+                                    peak_cap_bytes=int(NESTED_PEAK_FACTOR * problem.budget_bytes))
     if found is None or found[1] > NESTED_PEAK_FACTOR * problem.budget_bytes:
         return None
     cost, peak, plan = found

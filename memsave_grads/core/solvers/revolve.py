@@ -269,11 +269,13 @@ def smallest_peak_plan(problem: problem_lib.BudgetProblem) -> tuple[float, int, 
     return lowest
 
 
-def lowest_peak_within_cost(problem: problem_lib.BudgetProblem,
-                            cost_cap: float) -> tuple[float, int, plan_lib.Plan] | None:
+def lowest_peak_within_cost(problem: problem_lib.BudgetProblem, cost_cap: float,
+                            peak_cap_bytes: int | None = None
+                            ) -> tuple[float, int, plan_lib.Plan] | None:
     """(cost, replayed peak, plan) of the nested plan of the lowest peak below
-    ``problem.budget_bytes`` whose recompute cost is at most ``cost_cap``, or None where the
-    DP finds none (design note "nested by default").
+    ``problem.budget_bytes`` (and at most ``peak_cap_bytes``, whose replays stop once they
+    pass it) whose recompute cost is at most ``cost_cap``, or None where the DP finds none
+    (design note "nested by default").
 
     One DP run at the budget answers every smaller amount of memory at once
     (:func:`_revolve_table`): the smallest whose least cost is within the cap, and
@@ -301,19 +303,23 @@ def lowest_peak_within_cost(problem: problem_lib.BudgetProblem,
         if tree in trees:  # amounts a unit or two apart often rebuild the same tree
             continue
         trees.append(tree)
-        found = _replayed(problem, search, chain, tree)
+        found = _replayed(problem, search, chain, tree, peak_cap_bytes)
         if found[0] <= cost_cap and found[1] < problem.budget_bytes and (
+                peak_cap_bytes is None or found[1] <= peak_cap_bytes) and (
                 best is None or (found[1], found[0]) < (best[1], best[0])):
             best = found
     return best
 
 
 def _replayed(problem: problem_lib.BudgetProblem, search: planners.CutSearch, chain: "_Chain",
-              tree: multilevel.CutTree) -> tuple[float, int, plan_lib.Plan]:
-    """(cost, replayed peak, plan) of a cut tree over ``chain``'s positions."""
+              tree: multilevel.CutTree, stop_above_bytes: int | None = None
+              ) -> tuple[float, int, plan_lib.Plan]:
+    """(cost, replayed peak, plan) of a cut tree over ``chain``'s positions (a peak above
+    ``stop_above_bytes`` is where the replay stopped, and the cost the cost so far)."""
     plan = multilevel.plan_from_tree(problem.graph, search, _to_positions(tree, chain.pos),
                                      problem.not_replayed)
-    peak, cost = memory_model.plan_peak_and_cost(problem.graph, plan)
+    peak, cost = memory_model.plan_peak_and_cost(problem.graph, plan,
+                                                 stop_above_bytes=stop_above_bytes)
     return cost, peak, plan
 
 
