@@ -281,6 +281,24 @@ def test_explain_model_plans_the_training_step_without_running_it():
     model.train_on_batch(x, y)   # the made-up batch trains
 
 
+def test_explain_model_with_a_dict_of_inputs():
+    """keras_hub's task models take {"token_ids": ..., "padding_mask": ...}: the made-up batch
+    is a dict too (a list was refused by Keras 3, so explain and fit-limit failed)."""
+    ids = keras.Input((None,), dtype="int32", name="token_ids")
+    mask = keras.Input((None,), dtype="int32", name="padding_mask")
+    h = keras.layers.Embedding(50, 8)(ids) * keras.ops.expand_dims(
+        keras.ops.cast(mask, "float32"), -1)
+    h = h + keras.layers.Dense(8, activation="tanh")(h)
+    model = keras.Model({"token_ids": ids, "padding_mask": mask}, keras.layers.Dense(50)(h))
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    report = mg.explain(model, batch_size=4, sequence_length=16)
+    assert report.forward_ops > 0
+    x, y = mg.keras.synthetic_batch(model, 4, 16)
+    assert sorted(x) == ["padding_mask", "token_ids"] and x["token_ids"].shape == (4, 16)
+    assert x["token_ids"].min() >= 1 and x["token_ids"].max() < 50 and y.shape == (4, 16)
+    model.train_on_batch(x, y)
+
+
 def test_explain_model_refuses_bad_input():
     model = _classifier()
     with pytest.raises(mg.InvalidTypeError, match="batch_size"):

@@ -78,6 +78,22 @@ def batch_specs(model, batch_size: int, sequence_length: int | None = None):
     return x_specs, y_specs
 
 
+def as_model_inputs(model, flat: list):
+    """``flat`` (one value per ``model.inputs``) in the structure the model's ``call`` takes:
+    a dict where the model was built from a dict of inputs (keras_hub's task models:
+    ``{"token_ids": ..., "padding_mask": ...}``; Keras 3 refuses a list there), else one value
+    or a list. ``model.inputs`` is the dict's values flattened in sorted key order, as
+    ``tf.nest`` flattens it."""
+    structure = None
+    try:
+        structure = model.input
+    except (AttributeError, ValueError):
+        pass
+    if isinstance(structure, dict) and len(tf.nest.flatten(structure)) == len(flat):
+        return tf.nest.pack_sequence_as(structure, list(flat))
+    return flat[0] if len(flat) == 1 else list(flat)
+
+
 def _index_range(model) -> int:
     """Integer inputs are indices (token ids): keep them below the smallest ``input_dim`` of
     the model's embedding-like layers, and above 0, which ``mask_zero`` would mask."""
@@ -89,7 +105,8 @@ def _index_range(model) -> int:
 def synthetic_batch(model, batch_size: int, sequence_length: int | None = None, seed: int = 0):
     """Random numpy ``(x, y)`` of :func:`batch_specs`: floats normal (targets uniform in
     [0, 1)), indices in [1, smallest embedding size), class indices below the output's size.
-    One input or output is a single array, several a list."""
+    One input or output is a single array, several a list (inputs a dict where the model
+    takes one: :func:`as_model_inputs`)."""
     import numpy as np  # pylint: disable=import-outside-toplevel
     rng = np.random.default_rng(seed)
     x_specs, y_specs = batch_specs(model, batch_size, sequence_length)
@@ -108,4 +125,4 @@ def synthetic_batch(model, batch_size: int, sequence_length: int | None = None, 
             y.append(values(spec, max(int(out.shape[-1]), 1)))
         else:
             y.append(rng.random(spec.shape).astype(spec.dtype.as_numpy_dtype))
-    return (x[0] if len(x) == 1 else x), (y[0] if len(y) == 1 else y)
+    return as_model_inputs(model, x), (y[0] if len(y) == 1 else y)

@@ -30,7 +30,7 @@ def trace_training_step(model, on_loss, batch_size: int = 32,
     flavour = flavour_lib.flavour_of(model)
     if data is None:
         x_specs, y_specs = synthetic.batch_specs(model, batch_size, sequence_length)
-        x_specs = x_specs[0] if len(x_specs) == 1 else x_specs
+        x_specs = synthetic.as_model_inputs(model, x_specs)
         y_specs = y_specs[0] if len(y_specs) == 1 else y_specs
     else:
         x, y = data
