@@ -225,6 +225,19 @@ def test_nothing_fitting_is_a_failed_command(monkeypatch, caplog):
     assert "nothing fit under 100 MiB, not even batch 1" in caplog.text
 
 
+def test_nothing_fitting_for_an_error_is_not_told_as_memory(monkeypatch, caplog):
+    """Every try failing in the step (a model the made-up batch does not fit) is not the
+    limit: the error says so, and what failed."""
+    def failing(source, method, batch_size, *a, **k):
+        return fit_limit.Attempt(method, batch_size, False, error="ValueError: the structure")
+    commands, args = _command(monkeypatch, ["--limit-mib", "100", "--start", "4"], failing,
+                              {"kind": "step"})
+    with caplog.at_level("ERROR"):
+        assert commands.fit_limit_command(args) == 1
+    assert "no try ran out of memory: every one failed (batch 4: ValueError: the structure)" \
+        in caplog.text and "not even" not in caplog.text
+
+
 def test_tries_must_be_positive(capsys):
     from memsave_grads import cli  # pylint: disable=import-outside-toplevel
     with pytest.raises(SystemExit):

@@ -482,9 +482,16 @@ def fit_limit_command(args: argparse.Namespace) -> int:
         fit_limit.plot(searches, dimension, args.limit_mib, args.plot, title)
         _LOG.info("wrote %s", args.plot)
     if all(s.largest is None for s in searches):
-        smallest = min((a.size for s in searches for a in s.attempts), default=args.start)
-        _LOG.error("nothing fit under %d MiB, not even %s %d, with any method",
-                   args.limit_mib, dimension, smallest)
+        attempts = [a for s in searches for a in s.attempts]
+        smallest = min((a.size for a in attempts), default=args.start)
+        if attempts and not any(a.out_of_memory for a in attempts):
+            # Not the limit: the step itself failed (the table's notes say how).
+            _LOG.error("nothing fit under %d MiB with any method, and no try ran out of "
+                       "memory: every one failed (%s %d: %s)", args.limit_mib, dimension,
+                       attempts[0].size, attempts[0].error or "failed")
+        else:
+            _LOG.error("nothing fit under %d MiB, not even %s %d, with any method",
+                       args.limit_mib, dimension, smallest)
         return 1
     # keras.RematScope failing is one of the answers (it does under fit on TensorFlow), not
     # the command's.

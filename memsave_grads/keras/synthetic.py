@@ -34,8 +34,9 @@ def _known_shape(shape, batch_size: int, sequence_length: int | None, what: str,
             if sequence_length is None:
                 raise errors.InvalidArgumentError(
                     f"model: {what} {name!r} has shape {tuple(shape)}, with an unknown "
-                    "dimension besides the batch; pass sequence_length= (the command line's "
-                    "--sequence-length) to fill it in, or pass data=(x, y).")
+                    "dimension besides the batch; pass sequence_length= to fill it in (on the "
+                    "command line: explain's --sequence-length, fit-limit's --vary sequence "
+                    "--batch N), or pass data=(x, y).")
             d = sequence_length
         dims.append(int(d))
     return dims
