@@ -352,6 +352,12 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
     key = (repr(checkpoints)[:200], len(prepared.region))
     if key in _WARNED_PLAIN:
         return
+    if not prepared.region:
+        # Nothing lies between xs and ys (a variable the loss does not read, its gradient
+        # asked as zeros): no memory to save, and nothing to tell.
+        _LOG.debug("memsave_grads: no forward op between xs and ys; %s computes the "
+                   "gradients", computed_by)
+        return
     if tf_graph.in_replay_backward():
         # A recomputed step differentiating its copies under patch(): the step is the saving.
         _LOG.debug("memsave_grads: a replay's own gradient call of %d forward ops keeps plain "

@@ -512,3 +512,20 @@ def test_around_recompute_grad_blocks_the_plan_still_saves(monkeypatch):
     assert report.decided_plan_peak_bytes < 0.75 * report.decided_plain_peak_bytes
     # Measured 33-36 MiB against 43-54 (the allocator's history moves both).
     assert ours_mib <= 0.9 * theirs_mib, (ours_mib, theirs_mib)
+
+
+def test_nothing_between_xs_and_ys_says_nothing(caplog):
+    """A variable the loss does not read (its gradient asked as zeros, a legitimate call):
+    there is nothing to save, and no warning that nothing is saved."""
+    from memsave_grads import api  # pylint: disable=import-outside-toplevel
+    api._WARNED_PLAIN.clear()  # pylint: disable=protected-access
+    graph = tf.Graph()
+    with graph.as_default(), caplog.at_level(logging.WARNING, logger="memsave_grads"):
+        _, loss, weights = _wide(branches=2)
+        unused = tf.Variable(tf.ones([3]), name="unused")
+        grads = mg.gradients(loss, [unused], checkpoints="memory",
+                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            assert session.run(grads[0]).tolist() == [0.0, 0.0, 0.0]
+    assert not [r for r in caplog.records if "saves no memory" in r.getMessage()]
