@@ -488,9 +488,10 @@ def test_recompute_grad_blocks_are_modelled_as_tensorflow_runs_them_and_kept_as_
     # The blocks' arguments (1 MiB each) held, not their insides (3 MiB each: 38 MiB
     # predicted before). Measured: about 1.9 MiB a block (20-28 MiB here, 44 at 24 blocks);
     # the model leaves out the working set of the blocks' own recomputation.
+    # Both are tf.gradients' own schedule (the spy): their peaks differ only by the executor's
+    # order (21 and 25 MiB in one CI run: a weight gradient), so they are not compared.
     predicted_mib = report.decided_plain_peak_bytes / MIB
-    assert depth <= predicted_mib <= 1.5 * depth, predicted_mib
-    assert ours_mib <= theirs_mib + HEADROOM_MIB, (ours_mib, theirs_mib)
+    assert depth <= predicted_mib <= 1.5 * depth, (predicted_mib, ours_mib, theirs_mib)
 
 
 def test_around_recompute_grad_blocks_the_plan_still_saves(monkeypatch):
