@@ -255,8 +255,8 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
                 name, value = next(iter(given.items()))
                 raise errors.InvalidArgumentError(
                     f"{name}: the batch of data=(x, y) has its own shapes; got {name}={value!r} "
-                    "with data. Leave it out (or pass no data: a synthetic batch of "
-                    f"{name}).")
+                    f"with data. Leave {name} out, or leave data out for a made-up batch of "
+                    f"that {name}.")
         elif batch_size is None:
             batch_size = EXPLAINED_BATCH_SIZE
         if batch_size is not None:

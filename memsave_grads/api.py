@@ -390,10 +390,10 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
         "to recompute inside, compile the whole step instead of each block." if compiled else "")
     customs = tf_graph.recomputing_custom_gradients(prepared.region)
     custom_hint = (
-        f" {len(customs)} of those ops end tf.custom_gradient functions (tf.recompute_grad "
-        "blocks, keras.RematScope): their own gradients read the functions' arguments from the "
-        "forward pass, which stay alive whatever a plan keeps; without tf.recompute_grad "
-        "(RematScope), 'memory' plans the whole graph." if customs else "")
+        f" {len(customs)} of those ops end tf.recompute_grad blocks (keras.RematScope, "
+        "memsave_grads.recompute): their gradients run each block again from its arguments, "
+        "read from the forward pass, which stay alive whatever a plan keeps; without "
+        "tf.recompute_grad (RematScope), 'memory' plans the whole graph." if customs else "")
     _LOG.warning(
         "memsave_grads: checkpoints=%.80r saves no memory on this graph of %d forward ops (%s); "
         "%s computes its gradients, at tf.gradients' own peak.%s%s%s "

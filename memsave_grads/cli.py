@@ -41,7 +41,9 @@ PROG = "memsave-grads"
 #: importing TensorFlow. Kept equal to ``memsave_grads._tf.selection.STRATEGIES`` by
 #: tests/test_cli.py.
 STRATEGY_NAMES = ("collection", "memory", "speed")
-#: ``explain --model``'s batch size where ``--batch`` is not given.
+#: ``explain --model``'s batch size where ``--batch`` is not given: the library's own
+#: (``_explain.EXPLAINED_BATCH_SIZE``), kept equal by tests/test_cli.py without importing
+#: TensorFlow here.
 EXPLAIN_BATCH = 32
 
 #: TensorFlow's C++ log level unless the user set one: 2 hides INFO and WARNING start-up lines

@@ -429,6 +429,11 @@ def test_cli_strategy_names_are_the_library_s():
     assert sorted(cli.STRATEGY_NAMES) == sorted(selection.STRATEGIES)
 
 
+def test_cli_explain_batch_is_the_library_s():
+    from memsave_grads import _explain  # pylint: disable=import-outside-toplevel
+    assert cli.EXPLAIN_BATCH == _explain.EXPLAINED_BATCH_SIZE
+
+
 def test_models_filter_matches_names_without_building():
     specs = models.benchmark_models()
     assert len({spec.name for spec in specs}) == len(specs)

@@ -604,34 +604,48 @@ def is_custom_gradient_op(op: tf.Operation) -> bool:
 
 
 def recomputing_custom_gradients(region: Sequence[tf.Operation]) -> set[tf.Operation]:
-    """The custom-gradient ``IdentityN`` ops of ``region`` whose functions compute a matmul,
-    convolution or einsum (:func:`is_expensive`): ``tf.recompute_grad`` blocks,
-    ``keras.RematScope``'s, ``memsave_grads.recompute``'s, whose gradients run the block again
-    from its original arguments. Elementwise ones (``tf.nn.silu``'s, a gradient reversal)
-    read their input as a built-in op's gradient would, and are modelled as ordinary ops
-    (design note "custom gradients")."""
-    index = None
-    found = set()
-    for op in region:
-        if not is_custom_gradient_op(op):
-            continue
-        if index is None:
-            index = {o: i for i, o in enumerate(region)}
-        results = _custom_gradient_results(op, index)
-        arguments = [t for t in op.inputs if t.ref() not in results]
-        if not results or not arguments:
-            continue
-        argument_refs = {t.ref() for t in arguments}
-        # The function's ops: made after its arguments, up to them. Not only the region's:
-        # under a tape the results were computed while recording was stopped, and the region
-        # leaves them out.
-        floor = min(creation_index(t.op) for t in arguments)
-        inside = walk([t.op for t in op.inputs if t.ref() in results],
-                      lambda o: [t.op for t in o.inputs if t.ref() not in argument_refs],
-                      include=lambda o: creation_index(o) > floor)
-        if any(is_expensive(o) for o in inside):
-            found.add(op)
-    return found
+    """The custom-gradient ``IdentityN`` ops of ``region`` whose gradient runs the function
+    again from its arguments: ``tf.recompute_grad``'s (``keras.RematScope``'s too) and
+    ``memsave_grads.recompute``'s. Their gradients read every argument from the forward pass.
+    Any other custom gradient reads what its own code reads (a linear function's, not its
+    input; ``tf.nn.silu``'s, its input), which the graph does not say before the gradient is
+    built: those are modelled as ordinary ops (design note "custom gradients")."""
+    return {op for op in region if is_custom_gradient_op(op)
+            and _recomputed_result_count(op) is not None}
+
+
+def _closure(fn) -> dict:
+    """The values a Python function closes over, by name."""
+    return {name: cell.cell_contents
+            for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())}
+
+
+def _recomputed_result_count(op: tf.Operation) -> int | None:
+    """How many of a recomputing custom-gradient ``IdentityN``'s inputs are the function's
+    results (they come first, then its arguments and variables, and its gradient gives them
+    None); None where ``op``'s gradient is not a recomputation's, or cannot be read.
+
+    Read from TensorFlow's graph-mode ``tf.custom_gradient``: the gradient it registers
+    (``internal_grad_fn``) calls ``tape_grad_fn``, which closes over ``flat_result_len`` and
+    the function's own ``grad_fn``. Where that layout is not found (another TensorFlow), None:
+    the op is modelled as any other."""
+    try:
+        registered = tf_ops._gradient_registry.lookup(gradient_override(op))  # pylint: disable=protected-access
+        tape_grad_fn = _closure(registered)["tape_grad_fn"]
+        inner = _closure(tape_grad_fn)
+        count, grad_fn = inner["flat_result_len"], inner["grad_fn"]
+    except (LookupError, KeyError, AttributeError, TypeError, ValueError):
+        return None
+    recomputes = (getattr(grad_fn, "__qualname__", "").startswith("recompute_grad.")
+                  or getattr(grad_fn, "__module__", "") == _RECOMPUTE_MODULE)
+    if not recomputes or not isinstance(count, int) or not 0 < count < len(op.inputs):
+        return None
+    return count
+
+
+#: The module of ``memsave_grads.recompute``, whose custom gradient recomputes as
+#: ``tf.recompute_grad``'s does.
+_RECOMPUTE_MODULE = "memsave_grads.recomputation"
 
 
 def loop_body_has_custom_gradient(loop: tf.Operation) -> bool:
@@ -880,34 +894,11 @@ def _variable_gradient_bytes(region, index, x_refs, gradients_held: bool) -> lis
     return params
 
 
-def _custom_gradient_results(op: tf.Operation, index: dict) -> set:
-    """The inputs of ``tf.custom_gradient``'s IdentityN ``op`` that are the function's results
-    (refs): its inputs are the results, then the arguments and variables, and the registered
-    gradient gives None for the results. A result is told by depending on a later input (an
-    argument); the first input that does not is the first argument."""
-    results = set()
-    for j, t in enumerate(op.inputs):
-        later = {u.ref() for u in op.inputs[j + 1:] if u.ref() != t.ref()}
-        floors = [index[u.op] for u in op.inputs[j + 1:] if u.op in index]
-        floor = min(floors) if len(floors) == len(later) and floors else 0
-        if not later or not _computed_from(t, later, floor, index):
-            break
-        results.add(t.ref())
-    return results
-
-
-def _computed_from(t: tf.Tensor, targets: set, floor: int, index: dict) -> bool:
-    """Whether ``t`` is computed from one of ``targets`` (refs) within the region; ops of the
-    region before ``floor`` cannot lead to them."""
-    stack, seen = [t.op], set()
-    while stack:
-        for u in stack.pop().inputs:
-            if u.ref() in targets:
-                return True
-            if u.op in index and index[u.op] >= floor and u.op not in seen:
-                seen.add(u.op)
-                stack.append(u.op)
-    return False
+def _custom_gradient_results(op: tf.Operation) -> set:
+    """The inputs (refs) of a recomputing custom-gradient ``IdentityN`` that are the
+    function's results (:func:`_recomputed_result_count`)."""
+    count = _recomputed_result_count(op) or 0
+    return {t.ref() for t in op.inputs[:count]}
 
 
 def _under_custom_gradients(region: Sequence[tf.Operation], index: dict, y_ops: set
@@ -920,7 +911,7 @@ def _under_custom_gradients(region: Sequence[tf.Operation], index: dict, y_ops: 
     ``tf.recompute_grad`` recomputes the results from them). tf.gradients never
     differentiates those: they keep nothing for the backward pass and get no partials."""
     recomputing = recomputing_custom_gradients(region)
-    customs = {index[op]: _custom_gradient_results(op, index) for op in recomputing}
+    customs = {index[op]: _custom_gradient_results(op) for op in recomputing}
     if not customs:
         return frozenset(), {}
     reached = [op in y_ops for op in region]

@@ -556,10 +556,9 @@ def forced_keep(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
     be taken through the original op from kept tensors alone. So is a loop whose body is
     recomputed inside (``recomputed_loops``): its gradient replays each iteration, so a copy
     of it would only replay the loop once more. So is the ``IdentityN`` of a
-    ``tf.custom_gradient`` function that recomputes a block (``tf.recompute_grad``;
-    ``graph.recomputing_custom_gradients``): a copy's gradient would still be the function's
-    own, which reads the original arguments, so they stay alive whatever a plan keeps (design
-    note "custom gradients").
+    ``tf.recompute_grad`` block (``graph.recomputing_custom_gradients``): a copy's gradient
+    would still be the block's own, which runs it again from the original arguments, so they
+    stay alive whatever a plan keeps (design note "custom gradients").
     """
     recomputed_loops = set(recomputed_loops)
     region_set = set(region)
