@@ -561,6 +561,12 @@ def sized(batch_size, sequence_length=16):
 
 def fixed(batch_size, sequence_length=16):
     return _model(16)   # ignores sequence_length
+
+
+def even(batch_size, sequence_length=16):
+    if sequence_length % 2:
+        raise ValueError("sequence_length: expected an even number")
+    return _model(sequence_length)
 """
 
 
@@ -577,6 +583,8 @@ def test_a_builder_that_ignores_the_sequence_length_is_told(tmp_path):
     assert check(dict(request, source=f"{source}:sized"))["ignores_sequence_length"] is False
     assert "ignores_sequence_length" not in check(dict(request, source=f"{source}:sized",
                                                         sequence_length=None))
+    # A builder refusing the next length is not told apart, nor failed for it.
+    assert "ignores_sequence_length" not in check(dict(request, source=f"{source}:even"))
     args = cli.build_parser().parse_args(
         ["fit-limit", f"{source}:fixed", "--vary", "sequence", "--start", "8", "--max", "64",
          "--limit-mib", "512"])
