@@ -603,15 +603,21 @@ def is_custom_gradient_op(op: tf.Operation) -> bool:
     return op.type == "IdentityN" and is_custom_gradient_override(gradient_override(op) or "")
 
 
-def recomputing_custom_gradients(region: Sequence[tf.Operation]) -> set[tf.Operation]:
+def recomputing_custom_gradients(region: Sequence[tf.Operation]) -> dict[tf.Operation, int]:
     """The custom-gradient ``IdentityN`` ops of ``region`` whose gradient runs the function
-    again from its arguments: ``tf.recompute_grad``'s (``keras.RematScope``'s too) and
-    ``memsave_grads.recompute``'s. Their gradients read every argument from the forward pass.
-    Any other custom gradient reads what its own code reads (a linear function's, not its
-    input; ``tf.nn.silu``'s, its input), which the graph does not say before the gradient is
-    built: those are modelled as ordinary ops (design note "custom gradients")."""
-    return {op for op in region if is_custom_gradient_op(op)
-            and _recomputed_result_count(op) is not None}
+    again from its arguments (``tf.recompute_grad``'s, ``keras.RematScope``'s too, and
+    ``memsave_grads.recompute``'s), each with how many of its inputs are the function's
+    results (:func:`_recomputed_result_count`). Their gradients read every argument from the
+    forward pass. Any other custom gradient reads what its own code reads (a linear function's,
+    not its input; ``tf.nn.silu``'s, its input), which the graph does not say before the
+    gradient is built: those are modelled as ordinary ops (design note "custom gradients")."""
+    found = {}
+    for op in region:
+        if is_custom_gradient_op(op):
+            count = _recomputed_result_count(op)
+            if count is not None:
+                found[op] = count
+    return found
 
 
 def _closure(fn) -> dict:
@@ -894,24 +900,16 @@ def _variable_gradient_bytes(region, index, x_refs, gradients_held: bool) -> lis
     return params
 
 
-def _custom_gradient_results(op: tf.Operation) -> set:
-    """The inputs (refs) of a recomputing custom-gradient ``IdentityN`` that are the
-    function's results (:func:`_recomputed_result_count`)."""
-    count = _recomputed_result_count(op) or 0
-    return {t.ref() for t in op.inputs[:count]}
-
-
 def _under_custom_gradients(region: Sequence[tf.Operation], index: dict, y_ops: set
                             ) -> tuple[frozenset, dict]:
     """``(shadowed, customs)``: ``customs`` maps each recomputing ``tf.custom_gradient``
     IdentityN of ``region`` (:func:`recomputing_custom_gradients`; node number) to its results
-    (:func:`_custom_gradient_results`); ``shadowed``
-    are the nodes no gradient reaches, because each of their paths to ys enters such an op as
-    one of its results (its gradient function computes the arguments' gradients itself;
-    ``tf.recompute_grad`` recomputes the results from them). tf.gradients never
+    (refs of its first inputs); ``shadowed`` are the nodes no gradient reaches, because each of
+    their paths to ys enters such an op as one of its results (its gradient function computes
+    the arguments' gradients itself, running the block again from them). tf.gradients never
     differentiates those: they keep nothing for the backward pass and get no partials."""
-    recomputing = recomputing_custom_gradients(region)
-    customs = {index[op]: _custom_gradient_results(op) for op in recomputing}
+    customs = {index[op]: {t.ref() for t in op.inputs[:count]}
+               for op, count in recomputing_custom_gradients(region).items()}
     if not customs:
         return frozenset(), {}
     reached = [op in y_ops for op in region]
