@@ -497,16 +497,14 @@ def test_recompute_grad_blocks_are_modelled_as_tensorflow_runs_them_and_kept_as_
 
 @pytest.mark.parametrize("mask", [False, True])
 def test_around_recompute_grad_blocks_the_plan_still_saves(mask):
-    """The first half of the blocks through tf.recompute_grad (with a mask every block takes,
-    or not), the rest not: the plan recomputes the plain half and leaves the custom
-    gradients' blocks as TensorFlow runs them. (With the last half wrapped the step measures
-    31-34 or 42-49 MiB from one process to the next, against stock's 42: the executor's
-    order, before this change as after; not a test.)"""
-    depth = 24
+    """The first 8 of 32 blocks through tf.recompute_grad (with a mask every block takes, or
+    not), the rest not: the plan recomputes the plain blocks and leaves the custom gradients'
+    blocks as TensorFlow runs them. (Half the blocks wrapped, the step moves by 10-17 MiB from
+    one process to the next, the executor's order, before this change as after: 24 blocks
+    with the last half wrapped measured 31-34 or 42-49 MiB against stock's 42.)"""
     graph = tf.Graph()
     with graph.as_default():
-        feed, loss, weights = _residual_blocks(depth, recomputed_blocks=range(depth // 2),
-                                               mask=mask)
+        feed, loss, weights = _residual_blocks(32, recomputed_blocks=range(8), mask=mask)
         theirs = tf_graph.ORIGINAL_GRADIENTS(loss, weights)
         report = mg.explain(loss, weights, checkpoints="memory")
         ours = mg.gradients(loss, weights, checkpoints="memory")
@@ -517,8 +515,8 @@ def test_around_recompute_grad_blocks_the_plan_still_saves(mask):
     (ours_mib, theirs_mib), (got, want) = _median_peaks_mib(graph, [ours, theirs], feed)
     assert_grads_close(got, want)
     assert report.decided_plan_peak_bytes < 0.75 * report.decided_plain_peak_bytes
-    # Measured 33-36 MiB against 43-54 (the allocator's history moves both).
-    assert ours_mib <= 0.9 * theirs_mib, (ours_mib, theirs_mib)
+    # Measured 32-33 MiB against 62-69 in nine processes.
+    assert ours_mib <= 0.7 * theirs_mib, (ours_mib, theirs_mib)
 
 
 def test_nothing_between_xs_and_ys_says_nothing(caplog):
