@@ -75,6 +75,36 @@ def test_a_kept_set_that_is_not_closed_gets_the_replay_too(graph, data):
     assert fast.score(kept) == pytest.approx(_replayed(graph, kept, ()))
 
 
+@settings(max_examples=200, deadline=None)
+@given(graph=dags(max_nodes=30, gradient_flags=True), data=st.data())
+def test_closing_and_owning_in_one_sweep_is_the_two_sweeps(graph, data):
+    """FastReplay.closed_owners: close_segments' kept set and owners()' owners and levels of
+    it, whatever is kept and never replayed (a kept reader that is never replayed owns
+    nothing, which close_segments does not tell apart)."""
+    nodes = st.integers(0, graph.num_nodes - 1)
+    kept = data.draw(st.sets(nodes))
+    not_replayed = data.draw(st.sets(nodes)) & kept
+    fast = fast_replay.FastReplay(graph, not_replayed)
+    closed, owned = fast.closed_owners(kept)
+    assert closed == graph_lib.close_segments(graph, kept)
+    assert owned == fast.owners(closed)
+    assert fast.score_owned(closed, owned) == fast.score(closed)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_closing_and_owning_in_one_sweep_on_random_problems(seed):
+    """The same on the seeded problems (must-keep, never-replayed and candidate sets), with
+    the share kept from none to all."""
+    problem = random_problem(seed, low=8, high=40)
+    graph, rng = problem.graph, random.Random(seed)
+    fast = fast_replay.FastReplay(graph, problem.not_replayed)
+    for share in (0.0, 0.1, 0.3, 0.6, 1.0):
+        kept = {v for v in problem.candidates if rng.random() < share} | problem.must_keep
+        closed, owned = fast.closed_owners(kept)
+        assert closed == graph_lib.close_segments(graph, kept)
+        assert owned == fast.owners(closed)
+
+
 def test_the_scorer_scores_as_before():
     """problem.score through the fast replay: the peak and cost of the full replay."""
     problem = random_problem(7, low=30, high=30)

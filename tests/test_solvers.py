@@ -463,8 +463,8 @@ def _reference_revolve(chain, need, held, quanta):
 @pytest.mark.parametrize("seed", range(12))
 def test_the_revolve_table_is_the_recursion(seed):
     """The revolve DP's table (by offset, candidates read through strided views) holds the
-    recursion's least costs and first cuts for every amount of memory, and rebuilds its
-    trees."""
+    recursion's least costs for every amount of memory, gives its first cuts (read back from
+    the tables when asked), and rebuilds its trees."""
     problem = random_problem(seed, low=20, high=70)
     search = planners.CutSearch.of(problem.graph, problem.must_keep, problem.candidates)
     if not search.feasible:
@@ -483,10 +483,38 @@ def test_the_revolve_table_is_the_recursion(seed):
         np.testing.assert_array_equal(table.costs, bk[0, m2 - 1])
         for i in range(m2):
             for j in range(i + 1, m2):
-                np.testing.assert_array_equal(table.choice[i, j - i], first[i, j])
+                assert [table.first_cut(i, j, q) for q in range(table.quanta + 1)] == \
+                    first[i, j].tolist()
         for q in range(table.quanta + 1):
             assert _tree_lists(table.tree(q)) == _reference_tree(first, table.held, 0, m2 - 1, q)
     assert finite, "every table infinite: the test compared nothing"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_revolve_chain_holds_each_pair_s_cost_and_bytes(seed):
+    """``revolve._Chain``'s per-pair numbers are their definitions, pair by pair: the cost of
+    sweeping ``(p_i, p_j]`` again (what is kept anyway, and p_j's frontier, not recomputed)
+    and the bytes its plain backward pass needs (what it retains, p_j's frontier, the largest
+    step's input gradients)."""
+    problem = random_problem(seed, low=20, high=70)
+    graph = problem.graph
+    search = planners.CutSearch.of(graph, problem.must_keep, problem.candidates)
+    if not search.feasible:
+        pytest.skip("no position to cut")
+    chain = revolve._Chain(problem, search, search.positions(9))
+    retained = memory_model.retained_bytes(graph)
+    transient = max(sum(graph.size_bytes[p] for p in set(ins)) for ins in graph.inputs)
+    pos = chain.pos
+    for j in range(1, len(pos)):
+        front = set(graph_lib.frontier(graph, pos[j], uses=search.uses)) if j < len(pos) - 1 \
+            else set()
+        for i in range(j):
+            inside = range(pos[i] + 1, pos[j] + 1)
+            assert chain.cost[i, j] == pytest.approx(sum(
+                graph.cost_of(v) for v in inside
+                if v not in problem.must_keep and v not in front))
+            assert chain.base[i, j] == sum(retained[v] for v in inside) + sum(
+                graph.size_bytes[v] for v in front) + transient
 
 
 def _tree_lists(tree):

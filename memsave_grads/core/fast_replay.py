@@ -25,6 +25,7 @@ Only single-level schedules of a whole graph: nested plans go to memory_model.re
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -141,6 +142,72 @@ class FastReplay:
                     level[p] = deeper
         return owner, {k: level[k] for k in kept}
 
+    def closed_owners(self, kept: Iterable[int]) -> tuple[frozenset, tuple | None]:
+        """``graph.close_segments(graph, kept)`` and, where this replayer scores by phases,
+        :meth:`owners` of it, in one sweep (None in place of the owners otherwise).
+
+        The two sweeps visit the nodes in the same order and read the same readers, so a
+        search that closes and scores hundreds of plans makes one pass a plan, not two
+        (design note "planning cost"). Why the closed set never has two owners here, as
+        :meth:`owners` checks: a reader's owner by :meth:`owners`' rules is its owner by
+        ``close_segments``' or none (a kept reader that is never replayed, a node no segment
+        reads), so where the closing finds one owner among a node's readers, so do these.
+        A node's level comes from its readers' segments (the same pairs :meth:`owners` walks
+        from the other end): its readers' levels are final before it is reached."""
+        if not self.phases_exact:
+            return frozenset(graph_lib.close_segments(self.graph, kept)), None
+        n, consumers, sink, replayed = self.n, self.consumers, self.graph.feeds_sink, \
+            self.replayed
+        is_kept = [False] * n
+        for k in kept:
+            is_kept[k] = True
+        closing = [TOP] * n  # close_segments' owner of an unkept node (TOP also if unread)
+        owner = [NOWHERE] * n
+        level = [0] * n
+        for v in range(n - 1, -1, -1):
+            readers = consumers[v]
+            if not is_kept[v] and len(readers) == 1 and not sink[v]:
+                c = readers[0]  # most nodes: one reader, its owner's (a chain)
+                if is_kept[c]:
+                    closing[v] = c
+                    owner[v] = c if replayed[c] else NOWHERE
+                else:
+                    closing[v] = closing[c]
+                    owner[v] = owner[c]
+                continue
+            if not is_kept[v]:
+                first = reader = TOP if sink[v] else None
+                shared = False
+                for c in readers:
+                    if is_kept[c]:
+                        o = c
+                        if replayed[c]:
+                            reader = c
+                    else:
+                        o = closing[c]
+                        if owner[c] != NOWHERE:
+                            reader = owner[c]
+                    if first is None:
+                        first = o
+                    elif o != first:
+                        shared = True
+                        break
+                if not shared:
+                    if first is not None:
+                        closing[v] = first
+                    owner[v] = NOWHERE if reader is None else reader
+                    continue
+                is_kept[v] = True  # read by two segments: kept (close_segments)
+            owner[v] = v
+            deeper = 1  # one level below the deepest segment that reads it
+            for c in readers:
+                o = c if is_kept[c] else owner[c]
+                if o >= 0 and level[o] >= deeper:
+                    deeper = level[o] + 1
+            level[v] = deeper
+        closed = frozenset(itertools.compress(range(n), is_kept))
+        return closed, (owner, {k: level[k] for k in closed})
+
     # ----------------------------------------------------------------------------------------
     # The replay
     # ----------------------------------------------------------------------------------------
@@ -166,6 +233,13 @@ class FastReplay:
         ``stop_above_bytes``; a plan that fits always gets the replay's own."""
         kept = frozenset(kept)
         owned = self.owners(kept) if self.phases_exact else None
+        return self.score_owned(kept, owned, costs, stop_above_bytes)
+
+    def score_owned(self, kept: frozenset, owned: tuple | None,
+                    costs: np.ndarray | None = None,
+                    stop_above_bytes: int | None = None) -> tuple[int, float]:
+        """:meth:`score` of ``kept`` with its :meth:`owners` (or :meth:`closed_owners`')
+        given; None: not scored by phases, the full replay."""
         if owned is None:
             return self._replayed(kept, costs)
         owner, level = owned

@@ -58,8 +58,9 @@ def _greedy_cuts(search: "CutSearch", cap_bytes: int, tapered: bool = False) -> 
     size = search.graph.size_bytes
     # The walk's per-position numbers, made once per search (CutSearch.__init__).
     counted = search.retained_bytes if tapered else search.counted_segment_bytes
-    opened, factor, ends_at, allowed = (search.opened_bytes, search.tie_factor,
-                                        search.ends_at, search.allowed)
+    delta, oldest, factor, ends_at, allowed = (search.frontier_delta, search.oldest_ending,
+                                               search.tie_factor, search.ends_at,
+                                               search.allowed)
     cuts = []
     prev = -1
     held = 0
@@ -74,11 +75,12 @@ def _greedy_cuts(search: "CutSearch", cap_bytes: int, tapered: bool = False) -> 
         p = prev + 1
         while p < n:
             run += counted[p]
-            new += opened[p]
-            for v in ends_at[p]:
-                if v > prev:
-                    new -= size[v]
-            if run > cap and (best is not None or best_late is not None):
+            new += delta[p]
+            if oldest[p] <= prev:  # what ends here was not the segment's: the last cut keeps it
+                for v in ends_at[p]:
+                    if v <= prev:
+                        new += size[v]
+            if run > cap and best is not None:  # (a best late position is a best one)
                 break
             if allowed[p]:
                 score = new * factor[p]
@@ -148,11 +150,16 @@ class CutSearch:
         counted = [s if self.uses[v] >= 0 else 0 for v, s in enumerate(self.segment_bytes)]
         #: What the budget walk (:func:`_greedy_cuts`) reads at each position, made once for
         #: its tens of walks: the bytes a segment accumulates (0 for a node no one reads),
-        #: the bytes the frontier gains (a node read later), the near-tie factor of an
-        #: expensive op; beside ``ends_at`` (the nodes whose last reader it is: never the
-        #: node itself, whose readers come after it).
+        #: the frontier's change (the bytes of a node read later, less those of the nodes
+        #: whose last reader it is: ``ends_at``, never the node itself, whose readers come
+        #: after it) and the oldest node ending there (n: none), so that the walk corrects
+        #: the change only where a node before the segment ends; the near-tie factor of an
+        #: expensive op.
         self.counted_segment_bytes = counted
-        self.opened_bytes = [graph.size_bytes[p] if self.uses[p] > p else 0 for p in range(n)]
+        self.frontier_delta = [(graph.size_bytes[p] if self.uses[p] > p else 0)
+                               - sum(graph.size_bytes[v] for v in self.ends_at[p])
+                               for p in range(n)]
+        self.oldest_ending = [min(self.ends_at[p], default=n) for p in range(n)]
         self.tie_factor = [EXPENSIVE_TIE_FACTOR if graph.is_expensive(p) else 1.0
                            for p in range(n)]
         self.total_bytes = sum(counted)

@@ -70,9 +70,9 @@ def score(problem: BudgetProblem, kept: Iterable[int],
     peak and recompute cost (the replay's, through ``fast_replay``: the same numbers, a plan
     in a few milliseconds on thousands of ops; design note "planning cost").
     ``stop_above_bytes``: as in ``FastReplay.score`` (a peak above it may be a lower bound)."""
-    closed = frozenset(graph_lib.close_segments(problem.graph, set(kept) | problem.must_keep))
-    peak, cost = fast_replay.replayer(problem.graph, problem.not_replayed).score(
-        closed, stop_above_bytes=stop_above_bytes)
+    replayer = fast_replay.replayer(problem.graph, problem.not_replayed)
+    closed, owned = replayer.closed_owners(set(kept) | problem.must_keep)
+    peak, cost = replayer.score_owned(closed, owned, stop_above_bytes=stop_above_bytes)
     return closed, peak, cost
 
 

@@ -79,15 +79,18 @@ class _Chain:
         self.front = np.array([sum(size[v] for v in f) for f in front_nodes], dtype=np.float64)
         self.base = np.full((m2, m2), np.inf)
         self.cost = np.full((m2, m2), np.inf)
-        for i in range(m2):
-            a = self.pos[i]
-            for j in range(i + 1, m2):
-                b = self.pos[j]
-                new = [v for v in front_nodes[j] if v > a]
-                self.cost[i, j] = cost_sum[b + 1] - cost_sum[a + 1] - sum(cost[v] for v in new)
-                # p_j's frontier is freed when its level starts and replayed as a copy, so
-                # its retained bytes count here (unlike in dp.dp_cuts).
-                self.base[i, j] = ret_sum[b + 1] - ret_sum[a + 1] + self.front[j] + transient
+        starts = np.asarray(self.pos)
+        for j in range(1, m2):
+            b, a = self.pos[j], starts[:j]
+            # What p_j's frontier holds of (p_i, p_j] is a tail of it (sorted): its cost, summed
+            # as a list is, for each tail the pairs ending at j take.
+            front = front_nodes[j]
+            tails = np.asarray([sum(cost[v] for v in front[k:]) for k in range(len(front) + 1)])
+            self.cost[:j, j] = (cost_sum[b + 1] - cost_sum[a + 1]
+                                - tails[np.searchsorted(front, a, side="right")])
+            # p_j's frontier is freed when its level starts and replayed as a copy, so its
+            # retained bytes count here (unlike in dp.dp_cuts).
+            self.base[:j, j] = ret_sum[b + 1] - ret_sum[a + 1] + self.front[j] + transient
 
 
 _BASE = -1
@@ -107,17 +110,36 @@ def _revolve_dp(chain: _Chain, budget_bytes: int,
 class _Table:
     """The revolve DP's answer for every amount of free memory up to its budget:
     ``costs[q]`` is the least recompute cost of a tree whose decomposed peak is at most
-    ``must_bytes + q * unit`` (inf where none is); ``choice[i, o, q]``, by offset, the first
-    cut of the pair ``(i, i + o)`` at q units (``_BASE``: none)."""
+    ``must_bytes + q * unit`` (inf where none is); :meth:`first_cut` the first cut of a pair
+    at an amount, read from the DP's own tables when a tree is rebuilt (a few pairs of
+    the table's thousands: design note "planning cost")."""
 
     costs: np.ndarray
     unit: float
     quanta: int
-    choice: np.ndarray
     held: np.ndarray
+    #: ``need[i, j]``: units the plain backward pass over ``(p_i, p_j]`` needs;
+    #: ``through[i, o, q]``: ``cost[i, i+o] + Bk[i, i+o, q]``; ``shifted[d, e, q]``:
+    #: ``Bk[d, d+e, q - held[d]]`` (:func:`_revolve_table`'s tables by offset).
+    need: np.ndarray
+    through: np.ndarray
+    shifted: np.ndarray
+
+    def first_cut(self, i: int, j: int, q: int) -> int:
+        """The first cut of the cheapest tree of ``(p_i, p_j]`` at ``q`` units (``_BASE``:
+        none, the plain backward pass): the first of the least candidates, where it is less
+        than plain, the same sums :func:`_revolve_table` takes the minimum of."""
+        length = j - i
+        base = 0.0 if q >= self.need[i, j] else np.inf
+        if length < 2:
+            return _BASE
+        offsets = np.arange(1, length)
+        candidates = self.through[i, 1:length, q] + self.shifted[i + offsets, length - offsets, q]
+        best = int(np.argmin(candidates))
+        return i + 1 + best if candidates[best] < base else _BASE
 
     def tree(self, q: int) -> multilevel.CutTree:
-        return _rebuild(self.choice, self.held, 0, self.choice.shape[0] - 1, q)
+        return _rebuild(self, 0, len(self.held) - 1, q)
 
 
 def _revolve_table(chain: _Chain, budget_bytes: int,
@@ -136,9 +158,9 @@ def _revolve_table(chain: _Chain, budget_bytes: int,
         return None
     unit = free / quanta
     # Exact when every size is a multiple of a unit that is not too small (uniform layers).
-    sizes = [int(v) for v in np.concatenate([chain.front, chain.base.ravel()])
-             if math.isfinite(v) and v > 0]
-    common = math.gcd(*sizes) if sizes else 0
+    sizes = np.concatenate([chain.front, chain.base.ravel()])
+    sizes = np.trunc(sizes[np.isfinite(sizes) & (sizes > 0)]).astype(np.int64)
+    common = int(np.gcd.reduce(sizes)) if sizes.size else 0
     if common and free // common <= 2 * quanta:
         unit, quanta = common, int(free // common)
     m2 = len(chain.pos)
@@ -148,12 +170,12 @@ def _revolve_table(chain: _Chain, budget_bytes: int,
     # The tables by offset: [i, o] stands for the pair (i, i + o). A pair's candidates are then
     # a slice of `t` and a strided view of `shifted`, read where they lie, and every entry
     # read was written by a shorter pair before (so no table is filled first: design note
-    # "planning cost"). Bk itself is only wanted for the whole chain.
-    choice = np.empty((m2, m2, quanta + 1), dtype=np.int32)
-    choice[:, 1] = _BASE  # a pair of adjacent positions has no cut between them
+    # "planning cost"). Bk itself is only wanted for the whole chain; which cut won, only
+    # for the pairs of the trees rebuilt (_Table.first_cut).
     t = np.empty((m2, m2, quanta + 1))        # [i, o]: cost[i, i+o] + Bk[i, i+o]
     shifted = np.empty((m2, m2, quanta + 1))  # [d, e]: Bk[d, d+e, q - F_d]
     s0, s1, s2 = shifted.strides
+    scratch = np.empty(((m2 + 1) // 2) ** 2 * (quanta + 1))  # (m2 - length) * (length - 1) at most
     # bk_length: Bk of the pairs of the current length, (i, i + length) for every i.
     for length in range(1, m2):
         i = np.arange(0, m2 - length)
@@ -166,12 +188,11 @@ def _revolve_table(chain: _Chain, budget_bytes: int,
             later = np.lib.stride_tricks.as_strided(
                 shifted[1:, length - 1], shape=(m2 - length, length - 1, quanta + 1),
                 strides=(s0, s0 - s1, s2), writeable=False)
-            cand = t[:m2 - length, 1:length] + later  # (len(i), length-1, Q+1)
-            val = cand.min(axis=1)
-            best = (cand == val[:, None, :]).argmax(axis=1)  # argmin's first, in less time
-            take = val < base
-            bk_length = np.where(take, val, base)
-            choice[i, length] = np.where(take, i[:, None] + 1 + best, _BASE)
+            # (len(i), length-1, Q+1), in one buffer for all lengths (no allocation each)
+            cand = scratch[:(m2 - length) * (length - 1) * (quanta + 1)].reshape(
+                m2 - length, length - 1, quanta + 1)
+            np.add(t[:m2 - length, 1:length], later, out=cand)
+            bk_length = np.minimum(cand.min(axis=1), base)
         else:
             bk_length = base
         t[i, length] = chain.cost[i, j][:, None] + bk_length
@@ -179,18 +200,18 @@ def _revolve_table(chain: _Chain, budget_bytes: int,
         source = qs[None, :] - held[i][:, None]
         values = np.take_along_axis(bk_length, np.clip(source, 0, quanta), axis=1)
         shifted[i, length] = np.where(source >= 0, values, np.inf)
-    return _Table(bk_length[0].copy(), unit, quanta, choice, held)
+    return _Table(bk_length[0].copy(), unit, quanta, held, need, t, shifted)
 
 
-def _rebuild(choice, held, i, j, q) -> multilevel.CutTree:
+def _rebuild(table: _Table, i: int, j: int, q: int) -> multilevel.CutTree:
     cuts, segments = [], []
     while True:
-        d = int(choice[i, j - i, q])  # by offset (_Table.choice)
+        d = table.first_cut(i, j, q)
         if d == _BASE:
             return multilevel.CutTree(cuts, segments)
         cuts.append(d)
-        segments.append(_rebuild(choice, held, i, d, q))
-        q -= int(held[d])
+        segments.append(_rebuild(table, i, d, q))
+        q -= int(table.held[d])
         i = d
 
 
