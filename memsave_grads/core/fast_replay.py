@@ -330,9 +330,8 @@ class FastReplay:
             release_at, _ = memory_model.backward_readers(graph, self.consumers, members)
             ledger = memory_model.Ledger()
             grads: set = set()
-            for v in reversed(members):
-                memory_model.backward_step(graph, v, grads, ledger, release_at,
-                                            self.workspace_bytes)
+            memory_model.backward_steps(graph, reversed(members), grads, ledger, release_at,
+                                        self.workspace_bytes)
             self._top_cache[key] = (ledger.peak, ledger.live, frozenset(grads))
         return self._top_cache[key]
 
@@ -368,8 +367,8 @@ class FastReplay:
                                                                 recomputed)
                 memory_model.forward_sweep(graph, recomputed, self.consumers, saved, ledger,
                                       kept=())
-                for v in reversed(recomputed):
-                    memory_model.backward_step(graph, v, grads, ledger, release, workspace)
+                memory_model.backward_steps(graph, reversed(recomputed), grads, ledger, release,
+                                            workspace)
             for k in active:
                 if k in grads:  # a never-replayed kept node: its gradient goes to xs
                     memory_model.backward_step(graph, k, grads, ledger, {}, workspace)

@@ -136,9 +136,7 @@ def plain_peak_bytes(graph: graph_lib.ForwardGraph,
     inside: set[int] = set()
     forward_sweep(graph, range(n), consumers, retained, ledger, kept=(), differentiated=range(n),
              inside=inside)
-    grads: set[int] = set()
-    for v in reversed(range(n)):
-        backward_step(graph, v, grads, ledger, release_at, workspace_bytes, inside)
+    backward_steps(graph, reversed(range(n)), set(), ledger, release_at, workspace_bytes, inside)
     return ledger.peak
 
 
@@ -229,8 +227,8 @@ class _Replayer:
         forward_sweep(graph, sched.members, self.consumers, retained, ledger, kept,
                  differentiated=in_place, inside=self.inside, exposing=exposing)
         self.exposing |= exposing
-        for v in reversed(sched.top):
-            backward_step(graph, v, grads, ledger, release_at, workspace, self.inside)
+        backward_steps(graph, reversed(sched.top), grads, ledger, release_at, workspace,
+                       self.inside)
         for level in sched.levels:
             group = level.nodes
             for k in group:
@@ -247,8 +245,8 @@ class _Replayer:
                 release, saved = backward_readers(graph, self.consumers, recomputed)
                 forward_sweep(graph, recomputed, self.consumers, saved, ledger, kept=(),
                          differentiated=recomputed, inside=self.inside)
-                for v in reversed(recomputed):
-                    backward_step(graph, v, grads, ledger, release, workspace, self.inside)
+                backward_steps(graph, reversed(recomputed), grads, ledger, release, workspace,
+                               self.inside)
             for v in recomputed:  # the replays have read what their originals exposed
                 if v in self.exposing:
                     self.exposing.discard(v)
@@ -286,9 +284,9 @@ def backward_readers(graph, consumers, members) -> tuple[dict, dict]:
     release_at: dict[int, list[int]] = collections.defaultdict(list)
     retained = {}
     for v in members:
-        readers = [c for c in gradient_readers[v] if c in member_set]
+        readers = member_set.intersection(gradient_readers[v])
         if reads_output[v]:
-            readers.append(v)
+            readers.add(v)
         retained[v] = bool(readers) or feeds_sink[v]
         if readers:
             release_at[min(readers)].append(v)
@@ -314,7 +312,7 @@ def forward_sweep(graph, order, consumers, retained, ledger, kept, differentiate
     facts = graph.facts
     unique_inputs, forwards, internal = facts.unique_inputs, facts.forwards, facts.internal
     size_bytes, unkept_bytes = graph.size_bytes, facts.buffer_bytes
-    pending = {v: sum(1 for c in consumers[v] if c in member_set) for v in order}
+    pending = {v: len(member_set.intersection(consumers[v])) for v in order}  # distinct readers
     for v in order:
         if internal[v] and v in differentiated and inside is not None:
             ledger.alloc(internal[v])
@@ -346,41 +344,59 @@ def forward_sweep(graph, order, consumers, retained, ledger, kept, differentiate
 
 
 def backward_step(graph, v, grads: set, ledger, release_at,
+                  workspace_bytes: Sequence[int] | None = None,
+                  inside: set | None = None) -> None:
+    """Backprop through ``v``: :func:`backward_steps` of one node."""
+    backward_steps(graph, (v,), grads, ledger, release_at, workspace_bytes, inside)
+
+
+def backward_steps(graph, nodes: Iterable[int], grads: set, ledger, release_at,
                    workspace_bytes: Sequence[int] | None = None,
                    inside: set | None = None) -> None:
-    """Backprop through ``v``: allocate its inputs' gradients and its variables' gradients
-    (a spike where each is applied at once, as is the kernels' scratch; held to the end of the
-    pass where the optimizer applies them together), free its own gradient, what it kept
-    inside (``inside``) and the outputs no later step reads. Partials for kept nodes stay in
-    ``grads`` until their level."""
+    """Backprop through each of ``nodes`` in the order given: allocate its inputs' gradients
+    and its variables' gradients (a spike where each is applied at once, as is the kernels'
+    scratch; held to the end of the pass where the optimizer applies them together), free its
+    own gradient, what it kept inside (``inside``) and the outputs no later step reads.
+    Partials for kept nodes stay in ``grads`` until their level. (One loop over the nodes, its
+    tables read once: the replays run hundreds of thousands of steps in a search.)"""
     facts = graph.facts
-    if v in grads or graph.feeds_sink[v]:
-        size_bytes, carries = graph.size_bytes, facts.carries
-        # An elementwise op's gradient kernel writes one input's gradient into its own buffer.
-        reuse = v in grads and facts.forwards[v]
-        for p in facts.unique_inputs[v]:
-            if p not in grads and size_bytes[p] and carries[p]:
-                grads.add(p)
-                if reuse and size_bytes[p] == size_bytes[v]:
-                    reuse = False
-                    grads.discard(v)  # its buffer now holds p's gradient
-                    continue
-                ledger.alloc(size_bytes[p])
-        # The variables' gradients stay when they are held for the optimizer (until after this
-        # pass), else they are a spike with their updates' copies (variable_step_bytes).
-        params = facts.params[v]
-        held = params if graph.gradients_held else 0
-        ledger.alloc(held)
-        spike = (1 if graph.gradients_held else VARIABLE_UPDATE_FACTOR) * params - held
-        if workspace_bytes:
-            spike += workspace_bytes[v]
-        ledger.alloc(spike)
-        ledger.free(spike)
-        if v in grads:
-            grads.discard(v)
-            ledger.free(size_bytes[v])
-    if inside is not None and v in inside:
-        inside.discard(v)
-        ledger.free(facts.internal[v])
-    for u in release_at.get(v, ()):
-        ledger.free(facts.buffer_bytes[u])
+    size_bytes, carries, forwards, unique_inputs = (graph.size_bytes, facts.carries,
+                                                    facts.forwards, facts.unique_inputs)
+    params_of, internal, buffer_bytes, feeds_sink = (facts.params, facts.internal,
+                                                     facts.buffer_bytes, graph.feeds_sink)
+    held_params = graph.gradients_held
+    update_factor = 1 if held_params else VARIABLE_UPDATE_FACTOR
+    alloc, free = ledger.alloc, ledger.free
+    for v in nodes:
+        if v in grads or feeds_sink[v]:
+            # An elementwise op's gradient kernel writes one input's gradient into its own
+            # buffer.
+            reuse = v in grads and forwards[v]
+            for p in unique_inputs[v]:
+                if p not in grads and size_bytes[p] and carries[p]:
+                    grads.add(p)
+                    if reuse and size_bytes[p] == size_bytes[v]:
+                        reuse = False
+                        grads.discard(v)  # its buffer now holds p's gradient
+                        continue
+                    alloc(size_bytes[p])
+            # The variables' gradients stay when they are held for the optimizer (until after
+            # this pass), else they are a spike with their updates' copies
+            # (variable_step_bytes).
+            params = params_of[v]
+            spike = workspace_bytes[v] if workspace_bytes else 0
+            if params:  # (most steps take no variable: nothing to allocate, as the ledger's 0)
+                held = params if held_params else 0
+                alloc(held)
+                spike += update_factor * params - held
+            if spike:
+                alloc(spike)
+                free(spike)
+            if v in grads:
+                grads.discard(v)
+                free(size_bytes[v])
+        if inside is not None and v in inside:
+            inside.discard(v)
+            free(internal[v])
+        for u in release_at.get(v, ()):
+            free(buffer_bytes[u])
