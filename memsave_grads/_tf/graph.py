@@ -494,6 +494,12 @@ def uses_v1_control_flow(op: tf.Operation) -> bool:
             or control_flow_util.IsInWhileLoop(op) or control_flow_util.IsInCond(op))
 
 
+#: Attribute holding :func:`is_replayable`'s answer on the op: what it reads (type, control-flow
+#: context, input dtypes, op definition, branch functions) is fixed when the op is made, and a
+#: gradients call asks for each op several times (selection, exposure, the copies' check).
+_REPLAYABLE_ATTR = "_memsave_replayable"
+
+
 def is_replayable(op: tf.Operation) -> bool:
     """Whether running a copy of ``op`` again is guaranteed to give the same outputs.
 
@@ -501,6 +507,14 @@ def is_replayable(op: tf.Operation) -> bool:
     outputs are kept instead (design note "never replay state" in docs/design.md). Checks
     (``op_types.CHECK_OP_TYPES``) are stateful only to stay in the graph, and are replayed.
     """
+    known = getattr(op, _REPLAYABLE_ATTR, None)
+    if known is None:
+        known = _is_replayable(op)
+        setattr(op, _REPLAYABLE_ATTR, known)
+    return known
+
+
+def _is_replayable(op: tf.Operation) -> bool:
     if uses_v1_control_flow(op) or op.type in op_types.FEED_OP_TYPES:
         return False
     if any(t.dtype._is_ref_dtype for t in op.inputs):  # pylint: disable=protected-access
