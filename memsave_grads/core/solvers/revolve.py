@@ -159,8 +159,11 @@ def _revolve_table(chain: _Chain, budget_bytes: int,
     unit = free / quanta
     # Exact when every size is a multiple of a unit that is not too small (uniform layers).
     sizes = np.concatenate([chain.front, chain.base.ravel()])
-    sizes = np.trunc(sizes[np.isfinite(sizes) & (sizes > 0)]).astype(np.int64)
-    common = int(np.gcd.reduce(sizes)) if sizes.size else 0
+    sizes = sizes[np.isfinite(sizes) & (sizes > 0)]
+    if sizes.size and sizes.max() < 2.0 ** 62:  # int64 holds them
+        common = int(np.gcd.reduce(np.trunc(sizes).astype(np.int64)))
+    else:
+        common = math.gcd(*(int(v) for v in sizes))
     if common and free // common <= 2 * quanta:
         unit, quanta = common, int(free // common)
     m2 = len(chain.pos)
@@ -192,7 +195,10 @@ def _revolve_table(chain: _Chain, budget_bytes: int,
             cand = scratch[:(m2 - length) * (length - 1) * (quanta + 1)].reshape(
                 m2 - length, length - 1, quanta + 1)
             np.add(t[:m2 - length, 1:length], later, out=cand)
-            bk_length = np.minimum(cand.min(axis=1), base)
+            best = cand.min(axis=1)
+            # The plain pass where no cut is less (also where an infinite op cost made a
+            # candidate NaN: NaN < base is false, as first_cut reads it).
+            bk_length = np.where(best < base, best, base)
         else:
             bk_length = base
         t[i, length] = chain.cost[i, j][:, None] + bk_length
