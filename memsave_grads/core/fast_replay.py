@@ -34,7 +34,7 @@ from memsave_grads.core import graph as graph_lib
 from memsave_grads.core import memory_model
 from memsave_grads.core import schedule as schedule_lib
 
-#: Owner of a top-segment node (:meth:`FastReplay.owners`).
+#: Owner of a top-segment node (:meth:`FastReplay.closed_owners`).
 TOP = -1
 #: Owner of a node in no segment: it reaches no ``y`` and no kept node.
 NOWHERE = -2
@@ -105,55 +105,20 @@ class FastReplay:
     # The schedule
     # ----------------------------------------------------------------------------------------
 
-    def owners(self, kept: frozenset) -> tuple[list[int], dict[int, int]] | None:
-        """Each node's segment (``schedule.build``'s): the kept node whose segment recomputes
-        it (itself, for a kept node), :data:`TOP`, or :data:`NOWHERE`; and each kept node's
-        level. None where ``kept`` is not closed for single ownership (a node read by two
-        segments, or by a segment and the top): the phases below assume one owner a node."""
-        n, consumers, sink, inputs = self.n, self.consumers, self.graph.feeds_sink, \
-            self.unique_inputs
-        is_kept = [False] * n
-        for k in kept:
-            is_kept[k] = True
-        replayed = self.replayed
-        owner = [NOWHERE] * n
-        level = [0] * n  # 0: not kept
-        for k in kept:
-            level[k] = 1
-        # Descending: every reader of a node, and so its segment, comes first; a kept node's
-        # level is final before the nodes of its segment read their inputs' levels.
-        for v in range(n - 1, -1, -1):
-            if is_kept[v]:
-                owner[v] = reader = v
-            else:
-                reader = TOP if sink[v] else NOWHERE
-                for c in consumers[v]:
-                    o = (c if replayed[c] else NOWHERE) if is_kept[c] else owner[c]
-                    if o != NOWHERE and o != reader:
-                        if reader != NOWHERE:
-                            return None  # two owners: not closed
-                        reader = o
-                owner[v] = reader
-                if reader < 0:
-                    continue
-            deeper = level[reader] + 1  # a kept input read by a segment is one level deeper
-            for p in inputs[v]:
-                if level[p] and level[p] < deeper and p != reader:
-                    level[p] = deeper
-        return owner, {k: level[k] for k in kept}
-
     def closed_owners(self, kept: Iterable[int]) -> tuple[frozenset, tuple | None]:
-        """``graph.close_segments(graph, kept)`` and, where this replayer scores by phases,
-        :meth:`owners` of it, in one sweep (None in place of the owners otherwise).
+        """``kept`` closed for single ownership (``graph.close_segments``'s set) and, where
+        this replayer scores by phases, the single-level schedule's ownership of it
+        (``schedule.build``'s, without building it): each node's owner (the kept node whose
+        segment recomputes it, itself for a kept node, :data:`TOP`, or :data:`NOWHERE`) and
+        each kept node's level; None in its place otherwise.
 
-        The two sweeps visit the nodes in the same order and read the same readers, so a
-        search that closes and scores hundreds of plans makes one pass a plan, not two
-        (design note "planning cost"). Why the closed set never has two owners here, as
-        :meth:`owners` checks: a reader's owner by :meth:`owners`' rules is its owner by
-        ``close_segments``' or none (a kept reader that is never replayed, a node no segment
-        reads), so where the closing finds one owner among a node's readers, so do these.
-        A node's level comes from its readers' segments (the same pairs :meth:`owners` walks
-        from the other end): its readers' levels are final before it is reached."""
+        One downward sweep, as ``close_segments``' own: a search closes and scores hundreds of
+        plans (design note "planning cost"). A node's owner is its readers' (a kept reader
+        that is never replayed, or a node no segment reads, owns nothing), and a node whose
+        readers' owners differ, by ``close_segments``' rules, is kept; those rules tell fewer
+        owners apart (a never-replayed reader is its own owner there, an unread node the
+        top's), so the closed set never has a node with two owners. A kept node's level is one
+        below the deepest segment that reads it, whose level is final when it is reached."""
         if not self.phases_exact:
             return frozenset(graph_lib.close_segments(self.graph, kept)), None
         n, consumers, sink, replayed = self.n, self.consumers, self.graph.feeds_sink, \
@@ -232,13 +197,18 @@ class FastReplay:
         "planning cost"). The peak returned is then a lower bound of the replay's, above
         ``stop_above_bytes``; a plan that fits always gets the replay's own."""
         kept = frozenset(kept)
-        owned = self.owners(kept) if self.phases_exact else None
-        return self.score_owned(kept, owned, costs, stop_above_bytes)
+        if not self.phases_exact:
+            return self._replayed(kept, costs)
+        closed, owned = self.closed_owners(kept)
+        # A set that is not closed (a node two segments read is recomputed by both) gets the
+        # full replay: the phases assume one owner a node.
+        return self.score_owned(kept, owned if closed == kept else None, costs,
+                                stop_above_bytes)
 
     def score_owned(self, kept: frozenset, owned: tuple | None,
                     costs: np.ndarray | None = None,
                     stop_above_bytes: int | None = None) -> tuple[int, float]:
-        """:meth:`score` of ``kept`` with its :meth:`owners` (or :meth:`closed_owners`')
+        """:meth:`score` of ``kept`` (closed) with its ownership (:meth:`closed_owners`)
         given; None: not scored by phases, the full replay."""
         if owned is None:
             return self._replayed(kept, costs)
