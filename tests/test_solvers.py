@@ -517,17 +517,15 @@ def test_the_revolve_chain_holds_each_pair_s_cost_and_bytes(seed):
                 graph.size_bytes[v] for v in front) + transient
 
 
-def test_an_op_of_infinite_cost_gives_the_revolve_dp_the_plain_pass():
-    """A measured op time of infinity (``op_seconds``) makes some candidates inf - inf: the
-    DP takes the plain backward pass there, as a NaN is never less than it, and answers."""
-    graph = chain(8, 8, costs=(math.inf,) + (1.0,) * 7)
-    problem = problem_lib.BudgetProblem(graph, 72, candidates=frozenset(range(7)))
-    plan = solvers.solve(problem, "revolve")
-    assert sorted(plan.kept) == [] and plan.predicted_peak_bytes == 72
-    table = revolve._revolve_table(
-        revolve._Chain.of(problem, planners.CutSearch.of(graph, frozenset(), problem.candidates)),
-        72)
-    assert not np.isnan(table.costs).any()
+@pytest.mark.parametrize("cost", [math.inf, -math.inf, math.nan, -1.0])
+def test_a_graph_model_refuses_a_cost_the_planners_cannot_sum(cost):
+    """Recompute costs are FLOPs or measured seconds (``Budget.op_seconds`` refuses others):
+    the DP and revolve tables difference prefix sums, where an infinite cost gave NaN
+    candidates (and IndexError in the greedy solver's DP seeds, NaN objectives for the MILP),
+    and a negative one would make recomputing pay."""
+    with pytest.raises(ValueError, match="costs must be finite and >= 0"):
+        chain(8, 8, costs=(cost,) + (1.0,) * 7)
+    chain(8, 8, costs=(0.0,) + (1.0,) * 7)  # free ops are fine (variable reads, views)
 
 
 def _tree_lists(tree):

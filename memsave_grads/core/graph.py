@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 from typing import Iterable, Sequence
 
 
@@ -34,7 +35,8 @@ class ForwardGraph:
       param_bytes: bytes of the variables (``xs``) the node reads: its backward step produces
         gradients of that size; empty means 0.
       costs: the cost of recomputing the node (floating-point operations from static shapes,
-        or seconds calibrated by ``budgets.calibrated_costs``); empty means every node costs 1.
+        or seconds calibrated by ``budgets.calibrated_costs``; finite, >= 0); empty means every
+        node costs 1.
       unread_inputs: for each node, input nodes its gradient does *not* read although
         ``grad_reads_inputs`` says it reads its inputs (``0.5 * x`` keeps no ``x``: only the
         constant's gradient would read it); empty means none.
@@ -86,6 +88,11 @@ class ForwardGraph:
                      "internal_saved_bytes", "exposed_bytes"):
             if getattr(self, name) and len(getattr(self, name)) != n:
                 raise ValueError(f"ForwardGraph.{name} must be empty or have one entry per node")
+        if self.costs and not all(math.isfinite(c) and c >= 0 for c in self.costs):
+            # The planners sum costs by prefix sums and compare plans by them: an infinite or
+            # NaN cost makes differences NaN, and a negative one rewards recomputation.
+            raise ValueError("ForwardGraph.costs must be finite and >= 0 (FLOPs or measured "
+                             "seconds)")
         for node, preds in enumerate(self.inputs):
             for p in preds:
                 if not 0 <= p < node:

@@ -196,8 +196,7 @@ def _revolve_table(chain: _Chain, budget_bytes: int,
                 m2 - length, length - 1, quanta + 1)
             np.add(t[:m2 - length, 1:length], later, out=cand)
             best = cand.min(axis=1)
-            # The plain pass where no cut is less (also where an infinite op cost made a
-            # candidate NaN: NaN < base is false, as first_cut reads it).
+            # The plain pass where no cut is less, ties included, as first_cut reads it.
             bk_length = np.where(best < base, best, base)
         else:
             bk_length = base
