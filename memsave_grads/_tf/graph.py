@@ -627,11 +627,21 @@ def recomputing_custom_gradients(region: Sequence[tf.Operation]) -> dict[tf.Oper
     gradient is built: those are modelled as ordinary ops (design note "custom gradients")."""
     found = {}
     for op in region:
-        if is_custom_gradient_op(op):
-            count = _recomputed_result_count(op)
-            if count is not None:
-                found[op] = count
+        if op.type != "IdentityN":
+            continue
+        count = getattr(op, _RECOMPUTED_RESULTS_ATTR, None)
+        if count is None:
+            count = _recomputed_result_count(op) if is_custom_gradient_op(op) else None
+            setattr(op, _RECOMPUTED_RESULTS_ATTR, -1 if count is None else count)
+        if count is not None and count >= 0:
+            found[op] = count
     return found
+
+
+#: Attribute holding :func:`recomputing_custom_gradients`' answer on the op (-1: not a
+#: recomputation's): its gradient function is registered when the op is made, and a gradients
+#: call asks four times (node sets, forced keeps, the graph model, the no-saving warning).
+_RECOMPUTED_RESULTS_ATTR = "_memsave_recomputed_results"
 
 
 def _closure(fn) -> dict:
