@@ -522,12 +522,42 @@ def _is_replayable(op: tf.Operation) -> bool:
         # would also take a reference input, which a TF1 XLA compilation context refuses
         # ("Non-resource Variables are not supported inside XLA computations").
         return False
+    if op.type in op_types.UNMARKED_RANDOM_OP_TYPES:
+        return not _draws_at_random(op.node_def)
+    if (op.type in _FUNCTION_RUNNING_OP_TYPES or is_function_call(op)) and any(
+            _draws_at_random(node)
+            for node in _nodes_in_functions(op.graph, _called_functions(op.node_def))):
+        # TensorFlow marks a call, cond or loop stateful by the ops it runs, and these draws
+        # are not marked: a stateless call may hold one.
+        return False
     if _is_check(op):
         return True
     try:
         return not op.op_def.is_stateful
     except (AttributeError, ValueError):
         return False
+
+
+def _draws_at_random(node_def) -> bool:
+    """Whether an op (its ``NodeDef``) is one of ``op_types.UNMARKED_RANDOM_OP_TYPES`` that
+    draws anew on every run: not ``deterministic`` with a nonzero seed."""
+    if node_def.op not in op_types.UNMARKED_RANDOM_OP_TYPES:
+        return False
+    attr = node_def.attr
+    deterministic = "deterministic" in attr and attr["deterministic"].b
+    seeded = any(name in attr and attr[name].i for name in ("seed", "seed2"))
+    return not (deterministic and seeded)
+
+
+def _called_functions(node_def) -> list[str]:
+    """The graph functions an op (its ``NodeDef``) runs: a call's, a cond's branches, a
+    case's list of branches, a loop's condition and body."""
+    names = []
+    for value in node_def.attr.values():
+        if value.HasField("func"):
+            names.append(value.func.name)
+        names.extend(f.name for f in value.list.func)
+    return names
 
 
 def _is_check(op: tf.Operation) -> bool:
@@ -572,19 +602,23 @@ def _function_nodes(graph, name: str) -> list:
     return [] if function is None else list(function.cached_definition.node_def)
 
 
-def _op_types_in_functions(graph, names: Sequence[str]) -> list[str]:
-    """Op types inside the graph functions ``names`` (as ``graph`` sees them), and inside the
-    functions their ops run: calls, and the branches and bodies of conds and loops (a second
-    gradient tape wraps a cond in a call of a function holding it)."""
+def _nodes_in_functions(graph, names: Sequence[str]) -> list:
+    """The ``NodeDef``s inside the graph functions ``names`` (as ``graph`` sees them), and
+    inside the functions their ops run: calls, and the branches and bodies of conds, cases and
+    loops (a second gradient tape wraps a cond in a call of a function holding it)."""
     nodes_of: dict[str, list] = {}
 
     def called_functions(name: str) -> list[str]:
         nodes_of[name] = _function_nodes(graph, name)
-        return [value.func.name for node in nodes_of[name] for value in node.attr.values()
-                if value.HasField("func")]
+        return [called for node in nodes_of[name] for called in _called_functions(node)]
 
     found = list(walk(names, called_functions))
-    return [node.op for name in found for node in nodes_of[name]]
+    return [node for name in found for node in nodes_of[name]]
+
+
+def _op_types_in_functions(graph, names: Sequence[str]) -> list[str]:
+    """The op types of :func:`_nodes_in_functions`."""
+    return [node.op for node in _nodes_in_functions(graph, names)]
 
 
 #: The attribute ``Graph.gradient_override_map`` sets on the ops made inside it: the op type
@@ -701,10 +735,7 @@ def op_types_run(op: tf.Operation) -> list[str]:
     if op.type not in _FUNCTION_RUNNING_OP_TYPES:
         return [op.type]
     try:
-        names = [value.func.name for value in op.node_def.attr.values()
-                 if value.HasField("func")]
-        names += [f.name for value in op.node_def.attr.values() for f in value.list.func]
-        return [op.type, *_op_types_in_functions(op.graph, names)]
+        return [op.type, *_op_types_in_functions(op.graph, _called_functions(op.node_def))]
     except (AttributeError, ValueError):
         return [op.type]
 

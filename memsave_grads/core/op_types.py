@@ -102,6 +102,13 @@ FEED_OP_TYPES = frozenset({"Placeholder", "PlaceholderWithDefault"})
 #: assert recomputes; issue 17's outside check).
 CHECK_OP_TYPES = frozenset({"CheckNumerics", "CheckNumericsV2", "Assert"})
 
+#: Ops that draw at random although TensorFlow does not mark them stateful (so neither are the
+#: conds, loops and calls holding them): fractional pooling picks its pooling regions anew on
+#: every run, unless ``deterministic`` is set with a nonzero ``seed`` or ``seed2`` (then every
+#: kernel of the op, a copy's too, seeds its generator alike). A copy would pool other regions
+#: than the forward pass did: never replayed (issue 36's outside review).
+UNMARKED_RANDOM_OP_TYPES = frozenset({"FractionalMaxPool", "FractionalAvgPool"})
+
 #: TF2 conds (cond_v2); the first is the one TensorFlow marks stateful, still replayable where
 #: its branches run only checks and stateless ops.
 STATEFUL_COND_OP_TYPE = "If"
