@@ -100,10 +100,13 @@ def check_arguments(ys, xs, grad_ys, tf_gradients_kwargs: dict) -> Arguments:
     check_not_finalized(graph)
     _check_grad_ys(ys, grad_ys, graph)
     kwargs = _check_tf_kwargs(tf_gradients_kwargs, graph)
+    # tf.gradients stops at each stop's op. A variable's op (VarHandleOp, VariableV2) has no
+    # inputs, so stopping there changes nothing: its values are those without it. (Inside a
+    # tf.function TensorFlow cannot take a captured variable's op and raises AttributeError.)
     user_stops = [check_graph_tensor(t, f"stop_gradients[{i}]", allow_variable=False)
                   for i, t in enumerate(as_list(kwargs.pop("stop_gradients", None),
                                                 "stop_gradients", allow_none=True))
-                  if t is not None]
+                  if t is not None and not isinstance(t, tf.Variable)]
     for i, t in enumerate(user_stops):
         _check_same_or_enclosing_graph(t, f"stop_gradients[{i}]", "the tensor", graph, ys[0])
     unconnected = kwargs.pop("unconnected_gradients", tf.UnconnectedGradients.NONE)

@@ -136,6 +136,39 @@ def test_reference_variables(strategy, graph, session, rewrites):
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
 
 
+@pytest.mark.parametrize("use_resource", [False, True])
+def test_a_variable_in_stop_gradients_is_accepted_as_tf_gradients_accepts_it(
+        use_resource, graph, session, rewrites):
+    """tf.gradients takes a variable among ``stop_gradients`` and stops at its op, which has no
+    inputs: the values are those without the stop. Patched, the same call ran into our
+    "pass the tensor computed from it" error, not a fallback (outside review)."""
+    x = tf.constant(np.linspace(-1, 1, 8).reshape(2, 4).astype(np.float32))
+    w = tf.compat.v1.Variable(np.eye(4, dtype=np.float32) * 0.5, use_resource=use_resource)
+    loss = _residual(x, w)
+    expected = tf.gradients(loss, [w, x])
+    with mg.patch("memory", fallback="error"):
+        actual = tf.gradients(loss, [w, x], stop_gradients=[w])
+    assert rewrites
+    session.run(tf.compat.v1.global_variables_initializer())
+    assert_grads_close(*session.run([actual, expected]))
+
+
+def test_a_variable_in_stop_gradients_inside_a_function(rewrites):
+    """Inside a tf.function TensorFlow cannot take a captured variable's op (AttributeError);
+    a stop there would stop nothing, so it is accepted with the values without it."""
+    w = tf.Variable(np.eye(4, dtype=np.float32) * 0.5)
+    x = tf.constant(np.linspace(-1, 1, 8).reshape(2, 4).astype(np.float32))
+
+    @tf.function
+    def step():
+        loss = _residual(x, w)
+        return tf.gradients(loss, [w, x]), mg.gradients(loss, [w, x], stop_gradients=[w])
+
+    expected, actual = step()
+    assert_grads_close(actual, expected)
+    assert rewrites
+
+
 def test_empty_xs(graph):
     loss = _residual(tf.constant(np.ones((2, 4))), tf.constant(np.eye(4)))
     assert tf.gradients(loss, []) == []
