@@ -218,12 +218,14 @@ EXPLAINED_BATCH_SIZE = 32
 
 @tf.autograph.experimental.do_not_convert
 def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "memory", *,
-            batch_size: int | None = None, sequence_length: int | None = None, data=None,
-            release_gradients_early: bool = False, **tf_gradients_kwargs) -> PlanReport:
+            grad_ys=None, batch_size: int | None = None, sequence_length: int | None = None,
+            data=None, release_gradients_early: bool = False,
+            **tf_gradients_kwargs) -> PlanReport:
     """What ``gradients(ys, xs, checkpoints=checkpoints)`` would keep, recompute, and peak at.
 
-    Takes the arguments of :func:`memsave_grads.gradients` (``grad_ys`` does not change the
-    plan and is not needed), raises the same errors, and adds no op to the graph.
+    Takes the arguments of :func:`memsave_grads.gradients`, raises the same errors, and adds
+    no op to the graph. ``grad_ys`` does not change the plan; it is needed only where
+    ``gradients()`` needs it (a complex y has no default initial gradient).
 
     ``ys`` may also be a compiled Keras model (``xs`` then left out): the plan of one training
     step of it, as ``wrap_model(model, checkpoints)`` would make it, for a batch of
@@ -241,12 +243,12 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
         print(memsave_grads.explain(keras_model, checkpoints="memory", batch_size=64))
     """
     if keras_flavour.is_keras_model(ys):
-        if xs is not None or tf_gradients_kwargs:
+        if xs is not None or tf_gradients_kwargs or grad_ys is not None:
+            options = sorted(tf_gradients_kwargs) + (["grad_ys"] if grad_ys is not None else [])
             raise errors.InvalidArgumentError(
                 "xs: explain(model) explains the gradients of the model's loss with respect to "
-                f"its trainable weights; got xs={xs!r:.60} and options "
-                f"{sorted(tf_gradients_kwargs)}. Leave them out (or pass the loss tensor and "
-                "the variables instead of the model).")
+                f"its trainable weights; got xs={xs!r:.60} and options {options}. Leave them "
+                "out (or pass the loss tensor and the variables instead of the model).")
         if data is not None:
             given = {name: value for name, value in (("batch_size", batch_size),
                                                      ("sequence_length", sequence_length))
@@ -283,7 +285,7 @@ def explain(ys, xs: api.Sources | None = None, checkpoints: api.Checkpoints = "m
         raise errors.InvalidArgumentError(
             "xs: expected the tensors or variables to differentiate with respect to (or a "
             f"Keras model as the first argument), got None with ys={ys!r:.80}.")
-    prepared = api.prepare(ys, xs, None, checkpoints, tf_gradients_kwargs)
+    prepared = api.prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
     ctx = prepared.selection
     model = ctx.model
     plan = prepared.plan

@@ -93,8 +93,8 @@ def check_arguments(ys, xs, grad_ys, tf_gradients_kwargs: dict) -> Arguments:
     unknown = [k for k in tf_gradients_kwargs if k not in TF_GRADIENTS_KWARGS]
     if unknown:
         raise errors.InvalidTypeError(
-            f"gradients() got unexpected keyword argument(s) {sorted(unknown)}; memsave_grads "
-            f"passes on only tf.gradients' own: {list(TF_GRADIENTS_KWARGS)}."
+            f"unexpected keyword argument(s) {sorted(unknown)}; memsave_grads passes on only "
+            f"tf.gradients' own: {list(TF_GRADIENTS_KWARGS)}."
             + _tensorflow_says(f"gradients() got an unexpected keyword argument '{unknown[0]}'"))
     graph, ys, given_xs, x_slots, grad_ys = _normalise(ys, xs, grad_ys)
     check_not_finalized(graph)

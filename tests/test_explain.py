@@ -50,6 +50,28 @@ def test_explain_raises_what_gradients_raises():
     assert len(graph.get_operations()) == before
 
 
+def test_a_complex_y_is_explained_with_its_grad_ys():
+    """A complex y has no default initial gradient: gradients() needs grad_ys, and so does
+    explain(), which took no grad_ys and blamed gradients() for the keyword (outside review)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        h = tf.complex(tf.random.stateless_normal([16, 16], seed=[0, 0]), 0.0)
+        weights = [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 1]) * 0.1)
+                   for i in range(16)]
+        for w in weights:
+            h = tf.signal.fft(tf.matmul(h, tf.complex(tf.tanh(w), 0.0))) / 4.0
+        y = tf.reduce_sum(h * h)
+        grad_y = tf.ones([], tf.complex64)
+        before = len(graph.get_operations())
+        with pytest.raises(mg.InvalidTypeError, match=r"grad_ys\[0\]: .* is complex"):
+            mg.explain(y, weights)
+        report = mg.explain(y, weights, grad_ys=grad_y)
+        assert len(graph.get_operations()) == before
+        assert report.rewrite and report.predicted_saving > 1
+        with pytest.raises(mg.InvalidTypeError, match=r"^unexpected keyword argument"):
+            mg.explain(y, weights, grad_ys=grad_y, gradient_ys=grad_y)
+
+
 def test_unknown_batch_is_flagged():
     graph = tf.Graph()
     with graph.as_default():
