@@ -315,9 +315,12 @@ def _warn_tape_wrapped_once(region) -> None:
         "reads per iteration" if reads_per_iteration else "")
 
 
-def _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: dict) -> Gradients:
+def _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: dict,
+                        tell_plain: Callable[[str, str], None] | None = None) -> Gradients:
     """:func:`gradients` with ``fallback="error"``: the plan through the rewrite, or plain
-    gradients where the never-worse rule says so; the strategy's errors raised."""
+    gradients where the never-worse rule says so; the strategy's errors raised.
+    ``tell_plain(reason, computed_by)``: told instead of the user where the rule keeps plain
+    gradients (a caller that words it itself)."""
     plain = _PLAIN_GRADIENTS.get()
     prepared = prepare(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs)
     _warn_tape_wrapped_once(prepared.region)
@@ -329,8 +332,12 @@ def _rewritten_or_plain(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: dict)
     plain_token = _PLAIN_GRADIENTS.set(None)
     try:
         if not decision.rewrite:  # design note "never worse"
-            _warn_plain_once(prepared.checkpoints.given, prepared, decision.reason,
-                             "plain tf.gradients" if plain is None else plain.name)
+            computed_by = "plain tf.gradients" if plain is None else plain.name
+            if tell_plain is None:
+                _warn_plain_once(prepared.checkpoints.given, prepared, decision.reason,
+                                 computed_by)
+            else:
+                tell_plain(decision.reason, computed_by)
             if plain is None:
                 # As the plan would (run_plan); a caller's own plain gradients (a tape's
                 # recorded backward functions) see the graph as it was recorded.
@@ -622,13 +629,19 @@ def _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, infeasible, caller
             warn(error, "no plan is predicted to peak below plain tf.gradients here, so "
                  f"{computed_by} computes these gradients.")
             return _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs, plain)
+        kept_plain = []  # the never-worse rule's (reason, computed_by), where it said plain
         try:
-            grads = gradients(ys, xs, grad_ys, checkpoints=retry, fallback="error",
-                              **tf_gradients_kwargs)
+            grads = _rewritten_or_plain(ys, xs, grad_ys, retry, tf_gradients_kwargs,
+                                        tell_plain=lambda *told: kept_plain.append(told))
         except errors.InfeasibleBudgetError as again:
             error = again
             continue
-        warn(error, "planned for that peak instead.")
+        if kept_plain:
+            reason, by = kept_plain[0]
+            warn(error, f"a plan at that peak saves too little ({reason}), so {by} computes "
+                 "these gradients.")
+        else:
+            warn(error, "planned for that peak instead.")
         return grads
     warn(error, f"the solver found no plan at that peak in {SMALLEST_PEAK_ATTEMPTS} attempts, "
          f"so {computed_by} computes these gradients.")
