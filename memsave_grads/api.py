@@ -381,6 +381,7 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
             "differentiates it.", checkpoints, len(while_ops), len(prepared.region), reason,
             computed_by)
         return
+    differentiated = [op for op in while_ops if function_ops.gradient_built(op)]
     why_not = ("here loops are kept as they are built (wrap_model(..., "
                "recompute_cells=False))" if not _LOOPS_RECOMPUTED.get() else
                "'memory' and budgets recompute a loop's body inside where that stores less, "
@@ -390,6 +391,17 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
         f" {len(while_ops)} of those ops are loops whose gradients store what every iteration "
         f"needs; {why_not}: to save inside such a loop, recompute its step with "
         "memsave_grads.recompute(step_fn) (docs/recurrent.md)." if while_ops else "")
+    if differentiated and _LOOPS_RECOMPUTED.get():
+        # Seen in practice: tf.gradients (or a tape) was called over the same loops first,
+        # and while_v2 rewrote them to output what their gradient stores.
+        loop_hint = (
+            f" {len(while_ops)} of those ops are loops whose gradients store what every "
+            f"iteration needs, and {len(differentiated)} of them were differentiated before "
+            "in this graph (an earlier tf.gradients or tape call over them made TensorFlow "
+            "rewrite them), after which no loop body is recomputed inside, nor a loop that "
+            "reads variables copied: take these gradients in the first call over the loops, "
+            "or recompute each step with memsave_grads.recompute(step_fn) "
+            "(docs/recurrent.md).")
     compiled = function_ops.kept_compiled_calls(prepared.region)
     compiled_hint = (
         f" {len(compiled)} of those ops are calls of tf.function(jit_compile=True) functions "

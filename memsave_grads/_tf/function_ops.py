@@ -250,8 +250,14 @@ def untouched_loop(op: tf.Operation) -> bool:
     loop (a second derivative's region: "<forward>_grad_<uid>")."""
     if op.type not in op_types.WHILE_OP_TYPES or tf_graph.uses_v1_control_flow(op):
         return False
-    body_name = op.get_attr("body").name
-    return not (body_name.endswith("_rewritten") or re.search(r"_grad_\d+$", body_name))
+    return not (gradient_built(op) or re.search(r"_grad_\d+$", op.get_attr("body").name))
+
+
+def gradient_built(op: tf.Operation) -> bool:
+    """A while_v2 loop whose gradient was built already (while_v2 renamed its functions
+    "..._rewritten" to output what the gradient stores)."""
+    return (op.type in op_types.WHILE_OP_TYPES and not tf_graph.uses_v1_control_flow(op)
+            and op.get_attr("body").name.endswith("_rewritten"))
 
 
 def hoistable_reads(op: tf.Operation) -> dict:
