@@ -88,8 +88,11 @@ def infeasible(problem: BudgetProblem, smallest_peak_bytes: int,
         f"({smallest_peak_bytes} bytes, {_share(smallest_peak_bytes, plain_bytes)} of plain "
         f"tf.gradients' {budgets.format_bytes(plain_bytes)}; static memory model, "
         f"solver {solver!r}). "
-        f"Raise the budget to at least that ({_as_budget(smallest_peak_bytes, plain_bytes, solver)}), "
-        f"or reduce the batch size.")
+        + (f"Raise the budget to at least that "
+           f"({_as_budget(smallest_peak_bytes, plain_bytes, solver)}), or reduce the batch size."
+           if smallest_peak_bytes < plain_bytes else
+           "No plan it found peaks below plain tf.gradients here, so no budget helps: use "
+           "tf.gradients for this graph (fallback='warn' does), or reduce the batch size."))
     error.min_feasible_bytes = smallest_peak_bytes
     error.budget_bytes = problem.budget_bytes
     error.plain_peak_bytes = plain_bytes
