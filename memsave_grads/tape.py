@@ -282,9 +282,10 @@ def _gradient(tape, routing: Routing | None, target, sources, output_gradients,
     args = (target, sources, output_gradients, unconnected_gradients)
 
     def by_tensorflow(kind: str | None = None, why: str = ""):
-        if kind is not None:
+        grads = _by_tensorflow("gradient", tape, routing, args, {})
+        if kind is not None:  # said once it computed: a call TensorFlow refuses says nothing
             _notice(kind, why)
-        return _by_tensorflow("gradient", tape, routing, args, {})
+        return grads
 
     if routing is None or tape_record.is_building_gradients():
         return by_tensorflow()

@@ -629,6 +629,33 @@ def test_each_reason_for_tensorflow_s_tape_is_noticed_once(notices):
     assert "does not track" in said[0] and "gradient_override_map" in said[1], said
 
 
+def test_a_call_tensorflow_s_tape_refuses_uses_up_no_notice(notices):
+    """A call that goes to TensorFlow's tape and raises there (a source that is not a tensor)
+    computed nothing: it says nothing, and the one notice of its kind is left for a call that
+    does compute (outside review: the notice was said, then TensorFlow's TypeError raised)."""
+    def not_a_source(Tape, x):
+        with Tape() as tape:
+            tape.watch(x)
+            loss = loss_of(chain(x, WS))
+        return tape.gradient(loss, "not a tensor")
+
+    def integer_source(Tape, x):
+        n = tf.constant(3)
+        with Tape() as tape:
+            tape.watch(x)
+            loss = loss_of(chain(x, WS)) * tf.cast(n, x.dtype)
+        return tape.gradient(loss, [x, n])
+
+    with pytest.raises(Exception) as refused:
+        _run(not_a_source, "route_tapes")
+    with pytest.raises(type(refused.value)):
+        _run(not_a_source, None)
+    assert notices() == []
+    _run(integer_source, "route_tapes")
+    said = notices()
+    assert len(said) == 1 and "neither a floating-point tensor nor a variable" in said[0], said
+
+
 def test_a_persistent_tape_s_gradient_inside_its_context_warns_as_tensorflow_s(monkeypatch):
     warned = []
     monkeypatch.setattr(tape_record.tf_logging, "log_first_n",
