@@ -414,8 +414,8 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
         "read from the forward pass, which stay alive whatever a plan keeps; without "
         "tf.recompute_grad (RematScope), 'memory' plans the whole graph." if customs else "")
     _LOG.warning(
-        "memsave_grads: checkpoints=%.80r saves no memory on this graph of %d forward ops (%s); "
-        "%s computes its gradients, at tf.gradients' own peak.%s%s%s "
+        "memsave_grads: checkpoints=%.80r saves no memory on this graph of %d forward ops: "
+        "%s; %s computes its gradients, at tf.gradients' own peak.%s%s%s "
         "memsave_grads.explain(...) shows the plan.", checkpoints, len(prepared.region), reason,
         computed_by, loop_hint, compiled_hint, custom_hint)
 
