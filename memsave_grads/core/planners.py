@@ -420,8 +420,10 @@ def frontier_cuts(graph: graph_lib.ForwardGraph, must_keep: Iterable[int],
     best_peak = min(p.predicted_peak_bytes for p in plans)
     if best_peak >= plain_peak:
         # Returned all the same: explain() reports it, and gradients() keeps tf.gradients'
-        # schedule for it (selection.decide_schedule, docs/design.md note "never worse").
-        _LOG.info("memsave_grads: no plan of %d nodes predicts a lower peak than "
+        # schedule for it (selection.decide_schedule, docs/design.md note "never worse"),
+        # which tells the user once; here for debugging only (a recomputed loop step plans
+        # on every trace).
+        _LOG.debug("memsave_grads: no plan of %d nodes predicts a lower peak than "
                   "tf.gradients (%d bytes)", n, plain_peak)
     equal = [p for p in plans if p.predicted_peak_bytes <= EQUAL_PEAK_FACTOR * best_peak]
     return min(equal, key=lambda p: (p.recompute_cost, p.predicted_peak_bytes))
