@@ -846,6 +846,16 @@ def tensor_bytes(t: tf.Tensor) -> int:
     return _elements(t.shape) * itemsize
 
 
+def is_reference_read(op: tf.Operation) -> bool:
+    """A TF1 reference variable's read (its ``read`` identity): its output is the variable's
+    buffer, resident as a ``ReadVariableOp``'s is (``op_types.ALIAS_OP_TYPES``), kept or not.
+    Counted as a view's own bytes where kept, a plan on reference variables paid a weight per
+    block (outside review: 0.2 MiB of "activations" on a 12-block MLP per example, all weights,
+    and the plan refused)."""
+    return op.type in op_types.VIEW_OP_TYPES and any(
+        t.dtype._is_ref_dtype for t in op.inputs)  # pylint: disable=protected-access
+
+
 def op_bytes(op: tf.Operation) -> int:
     return sum(tensor_bytes(t) for t in op.outputs)
 
@@ -1043,7 +1053,8 @@ def to_forward_graph(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
     return graph_lib.ForwardGraph(
         inputs=tuple(inputs),
         size_bytes=tuple(0 if op.type in op_types.ALIAS_OP_TYPES or i in customs
-                         else op_bytes(op) for i, op in enumerate(region)),
+                         or is_reference_read(op) else op_bytes(op)
+                         for i, op in enumerate(region)),
         reads_source=tuple(reads_source),
         feeds_sink=tuple(op in y_ops for op in region),
         names=tuple(op.name for op in region),
