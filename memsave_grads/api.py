@@ -413,11 +413,17 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
         "memsave_grads.recompute): their gradients run each block again from its arguments, "
         "read from the forward pass, which stay alive whatever a plan keeps; without "
         "tf.recompute_grad (RematScope), 'memory' plans the whole graph." if customs else "")
+    unknown_hint = (
+        " Its batch dimension is unknown (a None in a placeholder or an input signature), so "
+        "sizes count it as 1 and the plan is made for one example, where the weights weigh "
+        "as much as the activations: plan for your batch with `with memsave_grads."
+        "assume_batch_size(n):` around the call." if prepared.selection.unknown_dimensions
+        else "")
     _LOG.warning(
         "memsave_grads: checkpoints=%.80r saves no memory on this graph of %d forward ops: "
-        "%s; %s computes its gradients, at tf.gradients' own peak.%s%s%s "
+        "%s; %s computes its gradients, at tf.gradients' own peak.%s%s%s%s "
         "memsave_grads.explain(...) shows the plan.", checkpoints, len(prepared.region), reason,
-        computed_by, loop_hint, compiled_hint, custom_hint)
+        computed_by, unknown_hint, loop_hint, compiled_hint, custom_hint)
 
 
 def run_plan(prepared: "Prepared", plan: plan_lib.Plan) -> list:

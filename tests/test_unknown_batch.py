@@ -101,6 +101,31 @@ def test_a_fraction_planned_per_example_is_planned_for_the_assumed_batch():
     assert "counts as 512 examples" in str(report)
 
 
+@pytest.mark.never_worse
+@pytest.mark.parametrize("batch", [None, 64])
+def test_where_a_plan_for_one_example_saves_nothing_the_warning_names_assume_batch_size(
+        batch, caplog, monkeypatch):
+    """Where the never-worse rule keeps tf.gradients' schedule for a graph whose batch is
+    unknown (made strict here, so that it does), the warning says the plan was made for one
+    example and names assume_batch_size (outside review: a TF1 placeholder([None, W]) graph
+    warned without it); with the batch known it says nothing of it."""
+    from memsave_grads import api  # pylint: disable=import-outside-toplevel
+    from memsave_grads._tf import selection  # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(api, "_WARNED_PLAIN", set())
+    monkeypatch.setattr(selection, "NEVER_WORSE_PEAK_FRACTION", 0.01)
+    weights = _weights()
+
+    @tf.function(input_signature=[tf.TensorSpec([batch, WIDTH])])
+    def step(x):
+        return mg.gradients(_loss(x, weights), weights, checkpoints="memory")
+
+    with caplog.at_level(logging.WARNING, logger="memsave_grads"):
+        step.get_concrete_function()
+    warned = [r.getMessage() for r in caplog.records if "saves no memory" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert ("memsave_grads.assume_batch_size(n)" in warned[0]) == (batch is None), warned
+
+
 def test_a_budget_in_bytes_needs_the_batch_size_and_gives_tf_gradients_values():
     weights = _weights()
     x = tf.random.stateless_normal([512, WIDTH], seed=[7, 0])

@@ -571,7 +571,9 @@ def forced_keep(region: Sequence[tf.Operation], xs: Sequence[tf.Tensor],
                 f"The forward op {op.name!r} ({op.type}) uses TF1 control flow "
                 "(tf.compat.v1.disable_control_flow_v2 or disable_v2_behavior was called). "
                 "memsave_grads rewrites control flow v2 only: call "
-                "tf.compat.v1.enable_control_flow_v2() before building the model, or use "
+                "tf.compat.v1.enable_control_flow_v2() before building the model (and "
+                "tf.compat.v1.enable_resource_variables() under disable_v2_behavior: v1 "
+                "layers' updates of reference variables refuse control flow v2), or use "
                 "tf.gradients for this graph.")
         if any(t.ref() in x_refs for t in op.outputs):
             keep.add(op)
