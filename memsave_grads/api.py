@@ -381,27 +381,7 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
             "differentiates it.", checkpoints, len(while_ops), len(prepared.region), reason,
             computed_by)
         return
-    differentiated = [op for op in while_ops if function_ops.gradient_built(op)]
-    why_not = ("here loops are kept as they are built (wrap_model(..., "
-               "recompute_cells=False))" if not _LOOPS_RECOMPUTED.get() else
-               "'memory' and budgets recompute a loop's body inside where that stores less, "
-               "but not where a stateful op of the body reads a value the iteration computes "
-               "(nor, under XLA, where the body writes a variable)")
-    loop_hint = (
-        f" {len(while_ops)} of those ops are loops whose gradients store what every iteration "
-        f"needs; {why_not}: to save inside such a loop, recompute its step with "
-        "memsave_grads.recompute(step_fn) (docs/recurrent.md)." if while_ops else "")
-    if differentiated and _LOOPS_RECOMPUTED.get():
-        # Seen in practice: tf.gradients (or a tape) was called over the same loops first,
-        # and while_v2 rewrote them to output what their gradient stores.
-        loop_hint = (
-            f" {len(while_ops)} of those ops are loops whose gradients store what every "
-            f"iteration needs, and {len(differentiated)} of them were differentiated before "
-            "in this graph (an earlier tf.gradients or tape call over them made TensorFlow "
-            "rewrite them), after which no loop body is recomputed inside, nor a loop that "
-            "reads variables copied: take these gradients in the first call over the loops, "
-            "or recompute each step with memsave_grads.recompute(step_fn) "
-            "(docs/recurrent.md).")
+    loop_hint = _loop_hint(while_ops) if while_ops else ""
     compiled = function_ops.kept_compiled_calls(prepared.region)
     compiled_hint = (
         f" {len(compiled)} of those ops are calls of tf.function(jit_compile=True) functions "
@@ -424,6 +404,31 @@ def _warn_plain_once(checkpoints, prepared: "Prepared", reason: str, computed_by
         "%s; %s computes its gradients, at tf.gradients' own peak.%s%s%s%s "
         "memsave_grads.explain(...) shows the plan.", checkpoints, len(prepared.region), reason,
         computed_by, unknown_hint, loop_hint, compiled_hint, custom_hint)
+
+
+def _loop_hint(while_ops: list) -> str:
+    """The no-saving warning's sentence about the region's loops: why their bodies were not
+    recomputed inside, and what would save there."""
+    loops_said = (f" {len(while_ops)} of those ops are loops whose gradients store what every "
+                  "iteration needs")
+    remedy = "memsave_grads.recompute(step_fn) (docs/recurrent.md)."
+    if not _LOOPS_RECOMPUTED.get():
+        return (f"{loops_said}; here loops are kept as they are built (wrap_model(..., "
+                f"recompute_cells=False)): to save inside such a loop, recompute its step with "
+                f"{remedy}")
+    differentiated = [op for op in while_ops if function_ops.gradient_built(op)]
+    if differentiated:
+        # Seen in practice: tf.gradients (or a tape) was called over the same loops first,
+        # and while_v2 rewrote them to output what their gradient stores.
+        return (f"{loops_said}, and {len(differentiated)} of them were differentiated before "
+                "in this graph (an earlier tf.gradients or tape call over them made "
+                "TensorFlow rewrite them), after which no loop body is recomputed inside, nor "
+                "a loop that reads variables copied: take these gradients in the first call "
+                f"over the loops, or recompute each step with {remedy}")
+    return (f"{loops_said}; 'memory' and budgets recompute a loop's body inside where that "
+            "stores less, but not where a stateful op of the body reads a value the iteration "
+            "computes (nor, under XLA, where the body writes a variable): to save inside such "
+            f"a loop, recompute its step with {remedy}")
 
 
 def run_plan(prepared: "Prepared", plan: plan_lib.Plan) -> list:
