@@ -425,6 +425,8 @@ def _loop_hint(while_ops: list) -> str:
                 "TensorFlow rewrite them), after which no loop body is recomputed inside, nor "
                 "a loop that reads variables copied: take these gradients in the first call "
                 f"over the loops, or recompute each step with {remedy}")
+    if all(loops.eligible(op) for op in while_ops):
+        return ""  # the plan could recompute every body inside: the graph is too small to gain
     return (f"{loops_said}; 'memory' and budgets recompute a loop's body inside where that "
             "stores less, but not where a stateful op of the body reads a value the iteration "
             "computes (nor, under XLA, where the body writes a variable): to save inside such "
@@ -608,9 +610,17 @@ def _gradients_falling_back(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: d
             return _gradients_at_smallest_peak(ys, xs, grad_ys, checkpoints, exc, caller,
                                                tf_gradients_kwargs)
     except errors.FALLBACK_ERRORS as exc:
-        _LOG.warning("%s: falling back to %s: %s", caller,
-                     "tf.gradients" if plain is None else plain.name, exc)
+        computed_by = "tf.gradients" if plain is None else plain.name
+        said = (caller, computed_by, str(exc))
+        # Once per message: a patched tf.hessians asks once per element, a model per trace.
+        (_LOG.debug if said in _WARNED_FALLBACK else _LOG.warning)(
+            "%s: falling back to %s: %s", caller, computed_by, exc)
+        _WARNED_FALLBACK.add(said)
         return _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs, plain)
+
+
+#: (caller, who computes, message) of the fallbacks already warned about.
+_WARNED_FALLBACK: set = set()
 
 
 #: Solves at the reported smallest peak before settling for plain tf.gradients. The minimum

@@ -511,6 +511,33 @@ def test_loops_differentiated_before_are_named_in_the_warning(caplog, monkeypatc
     assert "saves no memory" not in caplog.text
 
 
+@pytest.mark.never_worse
+def test_loops_that_could_be_recomputed_inside_get_no_loop_advice(caplog, monkeypatch):
+    """Small stateless loops the plan could recompute inside, on a graph too small to gain:
+    the warning says the plan saves too little, without the sentence on stateful bodies and
+    recompute(step_fn), which does not apply (outside review of control-flow scenarios)."""
+    from memsave_grads import api  # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(api, "_WARNED_PLAIN", set())
+    ws = [tf.constant(np.random.RandomState(i).randn(16, 16) * 0.3) for i in range(8)]
+    x = tf.constant(np.random.RandomState(9).randn(8, 16))
+
+    @tf.function(autograph=False)
+    def step():
+        h = x
+        for w in ws:
+            h = tf.while_loop(lambda j, a: j < 3, lambda j, a, w=w: (j + 1, tf.tanh(a @ w)),
+                              [0, h])[1]
+        loss = tf.reduce_sum(h * h)
+        return mg.gradients(loss, ws, checkpoints="memory"), tf.gradients(loss, ws)
+
+    with caplog.at_level("WARNING"):
+        got, expected = step()
+    assert_grads_close(got, expected, rtol=1e-10)
+    warned = [r.getMessage() for r in caplog.records if "saves no memory" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "loops" not in warned[0] and "recompute(step_fn)" not in warned[0], warned
+
+
 def test_a_loop_whose_state_reads_its_values_is_left_as_it_is():
     """A stateful op reading a value the iteration computes (an assignment of an activation's
     statistic, batch normalization's moving mean) would have to run again: the body is not

@@ -186,6 +186,17 @@ def test_by_default_a_strategy_with_nothing_to_keep_warns_and_computes_tf_gradie
         np.testing.assert_allclose(session.run(got), session.run(tf.gradients(y, x)))
 
 
+def test_the_same_fallback_warns_once(chain, caplog):
+    """A fallback says why once per message: a patched tf.hessians asks once per element, a
+    model once per trace (outside review: the same advice at every inner call)."""
+    graph, x, _, y = chain
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            mg.gradients(y, x, checkpoints=["no_such_op*"])
+    said = [r for r in caplog.records if "falling back to tf.gradients" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+
+
 def test_unknown_keyword(chain):
     graph, x, _, y = chain
     _raises(graph, mg.InvalidTypeError, "unexpected keyword",
