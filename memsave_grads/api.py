@@ -611,16 +611,10 @@ def _gradients_falling_back(ys, xs, grad_ys, checkpoints, tf_gradients_kwargs: d
                                                tf_gradients_kwargs)
     except errors.FALLBACK_ERRORS as exc:
         computed_by = "tf.gradients" if plain is None else plain.name
-        said = (caller, computed_by, str(exc))
         # Once per message: a patched tf.hessians asks once per element, a model per trace.
-        (_LOG.debug if said in _WARNED_FALLBACK else _LOG.warning)(
-            "%s: falling back to %s: %s", caller, computed_by, exc)
-        _WARNED_FALLBACK.add(said)
+        ordering.warn_once(f"fallback: {caller}, {computed_by}, {exc}",
+                           "%s: falling back to %s: %s", caller, computed_by, exc)
         return _plain_gradients(ys, xs, grad_ys, tf_gradients_kwargs, plain)
-
-
-#: (caller, who computes, message) of the fallbacks already warned about.
-_WARNED_FALLBACK: set = set()
 
 
 #: Solves at the reported smallest peak before settling for plain tf.gradients. The minimum

@@ -53,9 +53,10 @@ def _rewrite_even_where_plain_would_do(request, monkeypatch):
     if request.node.get_closest_marker("never_worse") is None:
         from memsave_grads._tf import selection  # pylint: disable=import-outside-toplevel
         monkeypatch.setattr(selection, "NEVER_WORSE_RULE", False)
-    # Fallbacks warn once per message in a process: each test sees its own first one.
-    from memsave_grads import api  # pylint: disable=import-outside-toplevel
-    monkeypatch.setattr(api, "_WARNED_FALLBACK", set())
+    # Warnings said once per process (ordering.warn_once: fallbacks, XLA's unordered
+    # constructs, tape-wrapped loops): each test sees its own first one.
+    from memsave_grads._tf import ordering  # pylint: disable=import-outside-toplevel
+    monkeypatch.setattr(ordering, "_warned", set())
     yield
 
 
